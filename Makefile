@@ -1,0 +1,48 @@
+# Two entry points: `make demo` and `make test`. Each creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+export TMPDIR := $(CURDIR)/.tmp
+
+.PHONY: demo test venv system-deps lint typecheck clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch goes in first and pinned: the CPU wheel on these machines. A later unpinned request
+# would otherwise pull a several-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[trainer,hf,lightning,postgres,dev]' $(TORCH)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The test suite needs real Prometheus, promtool, amtool and PostgreSQL 15 binaries.
+system-deps:
+	@if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null \
+	    || [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends prometheus prometheus-alertmanager postgresql-15 >/dev/null; \
+	fi
+
+demo: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(BIN)/runhealth demo
+
+test: $(STAMP) system-deps
+	@mkdir -p $(TMPDIR)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --basetemp=$(TMPDIR)/pytest -p no:cacheprovider
+
+lint:
+	$(BIN)/ruff check monitor collectors policies migrations tests benchmarks
+
+typecheck:
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .tmp

@@ -1,0 +1,42 @@
+"""Alembic environment: runs on the connection ``monitor.migrate`` hands it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alembic import context
+
+from monitor.models import Base, Float64
+
+# Tables other components own (APScheduler's job store) stay out of our history.
+EXCLUDED_TABLES = frozenset({"apscheduler_jobs"})
+
+
+def include_object(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    return not (type_ == "table" and name in EXCLUDED_TABLES)
+
+
+def render_item(type_: str, obj: Any, autogen_context: Any) -> str | bool:
+    # Migrations must not import the models' Python types: render the column's SQL type.
+    if type_ == "type" and isinstance(obj, Float64):
+        return "sa.Double()"
+    return False
+
+
+def run_migrations() -> None:
+    connection = context.config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        include_object=include_object,
+        render_item=render_item,
+        compare_type=True,
+        render_as_batch=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+run_migrations()

@@ -1,0 +1,208 @@
+"""The HTTP API (FastAPI): ingest, reads and health.
+
+Errors are JSON: ``{"error": CODE, "message": TEXT}``, plus ``"problems": [{"index", "field",
+"message"}]`` for invalid records. Nonfinite floats in responses are written as ``"NaN"``,
+``"Infinity"`` and ``"-Infinity"`` (``monitor.floats``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from monitor import queries
+from monitor.floats import dumps
+from monitor.ingest import ConflictError
+from monitor.schemas import BatchIn, RunCreateIn
+from monitor.service import Service
+
+BATCH = TypeAdapter(BatchIn)
+RUN_CREATE = TypeAdapter(RunCreateIn)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.error, self.message, self.extra = status, error, message, extra
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+def bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer ...)")
+    return token.strip()
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(
+            413, "too_large", f"batch of {declared} bytes is over the {limit}-byte limit"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "too_large", f"batch is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def problems_of(error: ValidationError) -> list[dict[str, Any]]:
+    """Each problem with the record's index and the offending field's dotted path."""
+    found = []
+    for item in error.errors(include_url=False):
+        loc = list(item["loc"])
+        index = None
+        if len(loc) >= 2 and loc[0] == "records" and isinstance(loc[1], int):
+            index = loc[1]
+            loc = loc[2:]
+            if loc and isinstance(loc[0], str) and item["type"] not in ("union_tag_invalid",):
+                loc = loc[1:]  # drop the discriminator's tag ("step", "heartbeat", ...)
+        if item["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc = ["kind"]
+        field = ".".join(str(part) for part in loc) or None
+        found.append({"index": index, "field": field, "message": item["msg"]})
+    return found
+
+
+def validate_batch(raw: bytes, max_records: int) -> BatchIn:
+    try:
+        batch = BATCH.validate_json(raw)
+    except ValidationError as exc:
+        if any(item["type"] == "json_invalid" for item in exc.errors()):
+            raise ApiError(
+                400, "malformed_json", f"body is not valid JSON: {exc.errors()[0]['msg']}"
+            ) from exc
+        problems = problems_of(exc)
+        first = problems[0]
+        raise ApiError(
+            422,
+            "invalid_record",
+            f"record {first['index']}: field {first['field']!r}: {first['message']}",
+            problems=problems,
+        ) from exc
+    if len(batch.records) > max_records:
+        raise ApiError(
+            413, "too_large", f"{len(batch.records)} records is over the limit of {max_records}"
+        )
+    return batch
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="runhealth", version="1", docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> Response:
+        return json_response({"error": exc.error, "message": exc.message, **exc.extra}, exc.status)
+
+    @app.exception_handler(queries.NotFound)
+    async def not_found(_request: Request, exc: queries.NotFound) -> Response:
+        return json_response({"error": "not_found", "message": str(exc)}, 404)
+
+    def is_admin(token: str) -> bool:
+        admin = service.config.admin_token
+        return admin is not None and secrets.compare_digest(token.encode(), admin.encode())
+
+    def require_admin(request: Request) -> None:
+        if not is_admin(bearer(request)):
+            raise ApiError(403, "forbidden", "this needs the service's admin token")
+
+    def require_run(request: Request, run: str) -> int:
+        token = bearer(request)
+        run_id = service.run_id_for_token(run, token)
+        if run_id is None:
+            if is_admin(token):
+                with service.engine.connect() as connection:
+                    return int(queries.run_row(connection, run).id)
+            raise ApiError(403, "forbidden", f"this token may not access run {run!r}")
+        return run_id
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        try:
+            return json_response(service.healthy())
+        except Exception as exc:  # the store is down: say so, with a status a probe reads
+            return json_response({"status": "error", "message": str(exc)}, 503)
+
+    @app.post("/v1/runs")
+    async def create_run(request: Request) -> Response:
+        require_admin(request)
+        raw = await read_limited(request, 64 * 1024)
+        try:
+            body = RUN_CREATE.validate_json(raw)
+        except ValidationError as exc:
+            raise ApiError(422, "invalid", str(exc.errors(include_url=False)[0]["msg"])) from exc
+
+        def create() -> str:
+            with service.engine.begin() as connection:
+                return queries.create_run(connection, body.name)
+
+        try:
+            token = await run_in_threadpool(create)
+        except queries.AlreadyExists as exc:
+            raise ApiError(409, "exists", str(exc)) from exc
+        return json_response({"run": body.name, "token": token}, 201)
+
+    @app.get("/v1/runs")
+    def list_runs(request: Request) -> Response:
+        require_admin(request)
+        with service.engine.connect() as connection:
+            return json_response({"runs": queries.list_runs(connection)})
+
+    @app.post("/v1/runs/{run}/records")
+    async def post_records(run: str, request: Request) -> Response:
+        run_id = await run_in_threadpool(require_run, request, run)
+        limits = service.config.ingest
+        try:
+            raw = await read_limited(request, limits.max_batch_bytes)
+            batch = await run_in_threadpool(validate_batch, raw, limits.max_batch_records)
+            result = await run_in_threadpool(service.ingest, run, run_id, batch.records)
+        except ConflictError as exc:
+            service.count(run, "rejected")
+            raise ApiError(409, "conflict", str(exc), index=exc.index, key=exc.key) from exc
+        except ApiError:
+            service.count(run, "rejected")
+            raise
+        return json_response(result.as_json())
+
+    @app.get("/v1/runs/{run}/steps")
+    def list_steps(
+        run: str,
+        request: Request,
+        start: int | None = None,
+        end: int | None = None,
+        limit: int = 10_000,
+    ) -> Response:
+        run_id = require_run(request, run)
+        with service.engine.connect() as connection:
+            steps = queries.list_steps(connection, run_id, start, end, min(limit, 100_000))
+        return json_response({"run": run, "steps": steps})
+
+    @app.get("/v1/runs/{run}/findings")
+    def list_findings(run: str, request: Request) -> Response:
+        run_id = require_run(request, run)
+        with service.engine.connect() as connection:
+            return json_response(
+                {"run": run, "findings": queries.list_findings(connection, run_id)}
+            )
+
+    @app.get("/v1/runs/{run}/incidents")
+    def list_incidents(run: str, request: Request) -> Response:
+        require_run(request, run)
+        with service.engine.connect() as connection:
+            incidents = queries.list_incidents(connection, queries.IncidentFilter(run=run))
+        return json_response({"run": run, "incidents": incidents})
+
+    return app

@@ -1,0 +1,447 @@
+"""``runhealth``: the command line. Listing commands take ``--json`` and print one document."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import Engine
+
+from monitor import migrate, queries
+from monitor.backtest import BacktestError, backtest, load_series, parse_mapping, report_json
+from monitor.config import ConfigError, ServiceConfig
+from monitor.db import StoreError, create_store_engine, resolve_url
+from monitor.floats import dumps
+from policies.series import SeriesConfig
+from policies.spike import SpikeConfig
+
+app = typer.Typer(
+    name="runhealth",
+    help="Run-health monitor and rollback service for large-model training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="The store's schema.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+runs_app = typer.Typer(help="Runs: list them, or create one and get its token.")
+app.add_typer(runs_app, name="runs")
+
+out = Console(soft_wrap=True)
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL or SQLite path (default: $RUNHEALTH_DB, else ./runhealth.db)"
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+
+
+class UserError(Exception):
+    """Printed as one line on stderr; the exit status is 2."""
+
+
+def print_json(document: Any) -> None:
+    sys.stdout.write(dumps(document, indent=True).decode() + "\n")
+
+
+def open_engine(db: str | None, *, must_be_current: bool = True) -> Engine:
+    engine = create_store_engine(resolve_url(db, os.environ), create_dir=not must_be_current)
+    if must_be_current and not migrate.is_current(engine):
+        raise UserError(
+            f"the store {engine.url.render_as_string(hide_password=True)} is not at the current "
+            "schema (run `runhealth db upgrade`)"
+        )
+    return engine
+
+
+@contextmanager
+def reading(db: str | None) -> Iterator[sa.Connection]:
+    engine = open_engine(db)
+    try:
+        with engine.connect() as connection:
+            yield connection
+    finally:
+        engine.dispose()
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    view = Table(title=title, title_justify="left")
+    for column in columns:
+        view.add_column(column)
+    for row in rows:
+        view.add_row(*["" if value is None else str(value) for value in row])
+    return view
+
+
+def fmt_time(epoch: float | None) -> str:
+    if epoch is None:
+        return ""
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def parse_time(text: str | None) -> float | None:
+    """ISO 8601, epoch seconds, or an age like 30m, 2h, 7d (that long ago)."""
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(UTC).timestamp() - float(text[:-1]) * units[text[-1]]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise UserError(
+            f"not a time: {text!r} (use ISO 8601, epoch seconds, or 30m/2h/7d)"
+        ) from exc
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@app.command()
+def serve(
+    db: DbOption = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8765,
+    port_file: Annotated[Path | None, typer.Option(help="Write the bound port here.")] = None,
+    admin_token_file: Annotated[
+        Path | None,
+        typer.Option(help="Where the admin token is kept when RUNHEALTH_ADMIN_TOKEN is unset."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """Serve the ingest API and /healthz."""
+    from monitor.server import admin_token_for, bind, prepare_store, uvicorn_server
+
+    config = ServiceConfig.from_environ(os.environ, db=db)
+    token_file = admin_token_file or Path(
+        f"{resolve_url(db, os.environ).database or 'runhealth'}.admin-token"
+    )
+    config, written = admin_token_for(config, token_file)
+    service = prepare_store(config, os.environ)
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(f"{bound}\n")
+        tmp.replace(port_file)
+    where = f"admin token in {written}" if written else "admin token from RUNHEALTH_ADMIN_TOKEN"
+    typer.echo(f"runhealth serving on http://{host}:{bound} ({where})", err=True)
+    uvicorn_server(service, log_level).run(sockets=[sock])
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    db: DbOption = None,
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Bring the store to the current schema (creates it when new)."""
+    engine = open_engine(db, must_be_current=False)
+    migrate.upgrade(engine, revision)
+    typer.echo(f"store at revision {migrate.current_revision(engine)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str, db: DbOption = None) -> None:
+    """Step the store's schema back to REVISION (``base`` removes every table)."""
+    engine = open_engine(db, must_be_current=False)
+    migrate.downgrade(engine, revision)
+    typer.echo(f"store at revision {migrate.current_revision(engine)}")
+
+
+@db_app.command("current")
+def db_current(db: DbOption = None) -> None:
+    """Print the store's schema revision and the newest one this version knows."""
+    engine = open_engine(db, must_be_current=False)
+    typer.echo(f"current {migrate.current_revision(engine)}, head {migrate.head_revision()}")
+
+
+@runs_app.callback(invoke_without_command=True)
+def runs(ctx: typer.Context, db: DbOption = None, as_json: JsonOption = False) -> None:
+    """List runs."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with reading(db) as connection:
+        rows = queries.list_runs(connection)
+    if as_json:
+        print_json({"runs": rows})
+        return
+    out.print(
+        table(
+            "Runs",
+            ["run", "created", "latest step", "windows", "last record", "open incidents"],
+            [
+                [
+                    r["name"],
+                    fmt_time(r["created_at"]),
+                    r["latest_step"],
+                    r["windows"],
+                    fmt_time(r["last_record_at"]),
+                    r["open_incidents"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+
+
+@runs_app.command("create")
+def runs_create(name: str, db: DbOption = None, as_json: JsonOption = False) -> None:
+    """Create a run and print its ingest token (shown once; only a digest is stored)."""
+    engine = open_engine(db)
+    try:
+        with engine.begin() as connection:
+            token = queries.create_run(connection, name)
+    except queries.AlreadyExists as exc:
+        raise UserError(str(exc)) from exc
+    if as_json:
+        print_json({"run": name, "token": token})
+    else:
+        typer.echo(token)
+
+
+@app.command()
+def incidents(
+    db: DbOption = None,
+    run: Annotated[str | None, typer.Option(help="Only this run.")] = None,
+    kind: Annotated[
+        str | None, typer.Option(help="Only this kind (spike, nonfinite, ...).")
+    ] = None,
+    severity: Annotated[str | None, typer.Option(help="info, warning or critical.")] = None,
+    status: Annotated[str | None, typer.Option(help="open or resolved.")] = None,
+    node: Annotated[str | None, typer.Option(help="Only incidents involving this node.")] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Opened at or after (ISO, epoch, or 2h).")
+    ] = None,
+    until: Annotated[str | None, typer.Option(help="Opened at or before.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List incidents, newest last."""
+    if severity is not None and severity not in ("info", "warning", "critical"):
+        raise UserError(f"--severity must be info, warning or critical, not {severity!r}")
+    where = queries.IncidentFilter(
+        run=run,
+        kind=kind,
+        severity=severity,
+        status=status,
+        node=node,
+        since=parse_time(since),
+        until=parse_time(until),
+    )
+    with reading(db) as connection:
+        rows = queries.list_incidents(connection, where)
+    if as_json:
+        print_json({"incidents": rows})
+        return
+    out.print(
+        table(
+            "Incidents",
+            [
+                "id",
+                "run",
+                "kind",
+                "severity",
+                "status",
+                "first step",
+                "last step",
+                "opened",
+                "summary",
+            ],
+            [
+                [
+                    r["id"],
+                    r["run"],
+                    r["kind"],
+                    r["severity"],
+                    r["status"],
+                    r["first_step"],
+                    r["last_step"],
+                    fmt_time(r["opened_at"]),
+                    r["summary"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+
+
+@app.command()
+def incident(
+    incident_id: Annotated[int, typer.Argument(metavar="ID")],
+    db: DbOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show one incident and its evidence, in order."""
+    with reading(db) as connection:
+        try:
+            found = queries.get_incident(connection, incident_id)
+        except queries.NotFound as exc:
+            raise UserError(str(exc)) from exc
+    if as_json:
+        print_json(found)
+        return
+    out.print(
+        f"[bold]Incident {found['id']}[/bold] {found['kind']} ({found['severity']}, {found['status']}) "
+        f"run {found['run']}, steps {found['first_step']}..{found['last_step']}"
+    )
+    out.print(found["summary"])
+    out.print(
+        table(
+            "Evidence",
+            ["step", "kind", "signal", "severity", "value", "threshold", "rank", "message"],
+            [
+                [
+                    f["step"],
+                    f["kind"],
+                    f["signal"],
+                    f["severity"],
+                    _num(f["value"]),
+                    _num(f["threshold"]),
+                    f["rank"],
+                    f["message"],
+                ]
+                for f in found["evidence"]
+            ],
+        )
+    )
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
+
+
+@app.command("backtest")
+def backtest_command(
+    file: Path,
+    run: Annotated[
+        str | None, typer.Option(help="Only this run (when the file has a run column).")
+    ] = None,
+    column: Annotated[
+        list[str] | None,
+        typer.Option(help="Map a column of the file to a field: SRC=FIELD (repeatable)."),
+    ] = None,
+    preset: Annotated[
+        str,
+        typer.Option(help="Spike thresholds: calibrated (default) or authored (median+3sd/50)."),
+    ] = "calibrated",
+    as_json: JsonOption = False,
+) -> None:
+    """Run the policies over a recorded series (CSV or JSONL with a step column)."""
+    presets: dict[str, Callable[[], SpikeConfig]] = {
+        "calibrated": SpikeConfig,
+        "authored": SpikeConfig.authored,
+    }
+    if preset not in presets:
+        raise UserError(f"--preset must be one of {', '.join(presets)}, not {preset!r}")
+    loaded = load_series(file, parse_mapping(column or []), run)
+    reports = backtest(loaded, SeriesConfig(loss_spike=presets[preset]()))
+    document = report_json(reports, loaded.notes, file)
+    if as_json:
+        print_json(document)
+        return
+    for note in document["notes"]:
+        typer.echo(f"note: {note}", err=True)
+    several = isinstance(document["run"], list)
+    out.print(
+        f"{document['steps']} logged steps, {len(document['incidents'])} incidents, {len(document['findings'])} findings"
+    )
+    out.print(
+        table(
+            "Incidents",
+            (["run"] if several else [])
+            + ["id", "kind", "severity", "first step", "last step", "summary"],
+            [
+                ([i["run"]] if several else [])
+                + [i["id"], i["kind"], i["severity"], i["first_step"], i["last_step"], i["summary"]]
+                for i in document["incidents"]
+            ],
+        )
+    )
+
+
+@app.command()
+def export(
+    run: str,
+    output: Annotated[Path, typer.Option("--out", "-o", help="File to write (.parquet or .csv).")],
+    what: Annotated[str, typer.Option(help="steps, records, findings or incidents.")] = "steps",
+    db: DbOption = None,
+) -> None:
+    """Write a run's steps, per-rank records, findings or incident history to Parquet or CSV."""
+    from monitor.export import EXPORTS, write_export
+
+    if what not in EXPORTS:
+        raise UserError(f"--what must be one of {', '.join(EXPORTS)}, not {what!r}")
+    if output.suffix.lower() not in (".parquet", ".csv"):
+        raise UserError(f"--out {output}: the file name must end in .parquet or .csv")
+    with reading(db) as connection:
+        try:
+            count = write_export(connection, run, what, output)
+        except queries.NotFound as exc:
+            raise UserError(str(exc)) from exc
+    typer.echo(f"wrote {count} {what} rows to {output}")
+
+
+@app.command()
+def demo(
+    db: Annotated[
+        str | None,
+        typer.Option(
+            "--db", help="Store for the demo (default: a new file under ./runhealth-demo/)."
+        ),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
+    corrupt_step: Annotated[int, typer.Option(help="The step whose batch is corrupted.")] = 200,
+    as_json: JsonOption = False,
+) -> None:
+    """Train a small real model on the CPU with one corrupted batch and show what was caught."""
+    from monitor.demo import DemoConfig, run_demo
+
+    result = run_demo(DemoConfig(db=db, steps=steps, corrupt_step=corrupt_step), out, quiet=as_json)
+    if as_json:
+        print_json(result)
+
+
+USER_ERRORS = (
+    UserError,
+    StoreError,
+    BacktestError,
+    ConfigError,
+    queries.NotFound,
+    FileNotFoundError,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        app(args=list(argv) if argv is not None else None, standalone_mode=False)
+    except USER_ERRORS as exc:
+        typer.echo(f"runhealth: error: {exc}", err=True)
+        raise SystemExit(2) from None
+    except sa.exc.OperationalError as exc:
+        typer.echo(f"runhealth: error: the store is unavailable: {exc.orig}", err=True)
+        raise SystemExit(2) from None
+    except (typer.Exit, typer.Abort) as exc:
+        raise SystemExit(getattr(exc, "exit_code", 1)) from None
+    except Exception as exc:  # click's usage errors carry their own exit codes
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

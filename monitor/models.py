@@ -1,0 +1,305 @@
+"""The store's schema: SQLAlchemy 2 typed models.
+
+Times are UTC epoch seconds (float) throughout: trainers send them that way and every
+comparison the engine makes is arithmetic on them. Nonfinite floats are data; see
+``Float64`` for how SQLite keeps a NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Float64(TypeDecorator[float]):
+    """A double that keeps NaN on SQLite.
+
+    SQLite turns a bound NaN into NULL, which would erase the signal; a REAL column can hold
+    the text ``'NaN'`` instead, and it is read back as a float. PostgreSQL's double precision
+    stores NaN natively. Infinities are REAL values on both.
+    """
+
+    impl = sa.Double
+    cache_ok = True
+
+    def process_bind_param(self, value: float | None, dialect: Dialect) -> Any:
+        if value is not None and dialect.name == "sqlite" and math.isnan(value):
+            return "NaN"
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> float | None:
+        if value == "NaN":
+            return math.nan
+        return None if value is None else float(value)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {float: Float64(), dict[str, Any]: sa.JSON(), list[Any]: sa.JSON()}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(200), unique=True)
+    # sha256 of the run's bearer token; the token itself is shown once, at creation.
+    token_hash: Mapped[str] = mapped_column(sa.String(64))
+    created_at: Mapped[float]
+
+
+class Incarnation(Base):
+    """One start of the job: a UUID shared by all its ranks, new after every restart."""
+
+    __tablename__ = "incarnations"
+    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    world_size: Mapped[int | None]
+    started_at: Mapped[float | None]
+    layout: Mapped[dict[str, Any] | None]
+    config: Mapped[dict[str, Any] | None]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+    finished_at: Mapped[float | None]
+    finish_status: Mapped[str | None] = mapped_column(sa.String(32))
+    finish_hash: Mapped[str | None] = mapped_column(sa.String(32))
+
+
+class StepRecord(Base):
+    """One rank's accumulation window. Key: (run, incarnation, rank, attempt)."""
+
+    __tablename__ = "step_records"
+    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank", "attempt"),)
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    attempt: Mapped[int]
+    step: Mapped[int]
+    consumed: Mapped[int | None] = mapped_column(sa.BigInteger)
+    time: Mapped[float]
+    node: Mapped[str | None] = mapped_column(sa.String(200))
+    device_uuid: Mapped[str | None] = mapped_column(sa.String(100))
+    dp_rank: Mapped[int | None]
+    tp_rank: Mapped[int | None]
+    pp_rank: Mapped[int | None]
+    cp_rank: Mapped[int | None]
+    microbatches: Mapped[int | None]
+    sample_ids: Mapped[list[Any] | None]
+    tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
+    loss_sum: Mapped[float | None]
+    reported_loss: Mapped[float | None]
+    grad_norm: Mapped[float | None]
+    lr: Mapped[float | None]
+    loss_scale: Mapped[float | None]
+    skipped: Mapped[bool | None]
+    data_wait_s: Mapped[float | None]
+    forward_s: Mapped[float | None]
+    backward_s: Mapped[float | None]
+    optimizer_s: Mapped[float | None]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class StepSummary(Base):
+    """The whole run at one accumulation window, aggregated over its ranks."""
+
+    __tablename__ = "step_summaries"
+    __table_args__ = (
+        sa.UniqueConstraint("run_id", "incarnation", "attempt"),
+        sa.Index("ix_step_summaries_run_judged", "run_id", "judged"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    attempt: Mapped[int]
+    step: Mapped[int]
+    ranks_reported: Mapped[int]
+    tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
+    loss_sum: Mapped[float | None]
+    reported_loss_sum: Mapped[float | None]
+    reported_loss_count: Mapped[int] = mapped_column(default=0)
+    grad_norm: Mapped[float | None]
+    lr: Mapped[float | None]
+    loss_scale: Mapped[float | None]
+    skipped_ranks: Mapped[int] = mapped_column(default=0)
+    consumed: Mapped[int | None] = mapped_column(sa.BigInteger)
+    first_time: Mapped[float]
+    last_time: Mapped[float]
+    judged: Mapped[bool] = mapped_column(default=False)
+    late_records: Mapped[int] = mapped_column(default=0)
+
+
+class Heartbeat(Base):
+    """Each rank's latest heartbeat: sent by the hook's own thread, on its own clock."""
+
+    __tablename__ = "heartbeats"
+    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    node: Mapped[str | None] = mapped_column(sa.String(200))
+    step: Mapped[int | None]
+    attempt: Mapped[int | None]
+    phase: Mapped[str] = mapped_column(sa.String(32))
+    phase_since: Mapped[float]
+    time: Mapped[float]
+    received_at: Mapped[float]
+
+
+class DeviceSample(Base):
+    """One NVML reading of one device. Key: (run, node, device UUID, sequence)."""
+
+    __tablename__ = "device_samples"
+    __table_args__ = (sa.UniqueConstraint("run_id", "node", "device_uuid", "seq"),)
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(sa.String(200))
+    device_uuid: Mapped[str] = mapped_column(sa.String(100))
+    seq: Mapped[int] = mapped_column(sa.BigInteger)
+    time: Mapped[float]
+    rank: Mapped[int | None]
+    clock_event_reasons: Mapped[int | None] = mapped_column(sa.BigInteger)
+    sm_clock_mhz: Mapped[float | None]
+    mem_clock_mhz: Mapped[float | None]
+    power_w: Mapped[float | None]
+    power_limit_w: Mapped[float | None]
+    temperature_c: Mapped[float | None]
+    counters: Mapped[dict[str, Any] | None]
+    xids: Mapped[list[Any] | None]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class LinkSample(Base):
+    """One reading of one InfiniBand/RoCE port. Key: (run, node, device, port, sequence)."""
+
+    __tablename__ = "link_samples"
+    __table_args__ = (sa.UniqueConstraint("run_id", "node", "device", "port", "seq"),)
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(sa.String(200))
+    device: Mapped[str] = mapped_column(sa.String(100))
+    port: Mapped[int]
+    seq: Mapped[int] = mapped_column(sa.BigInteger)
+    time: Mapped[float]
+    state: Mapped[str | None] = mapped_column(sa.String(32))
+    counters: Mapped[dict[str, Any] | None]
+    saturated: Mapped[list[Any] | None]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class CheckpointEvent(Base):
+    """A committed checkpoint, as the trainer reported it. Key: (run, path)."""
+
+    __tablename__ = "checkpoint_events"
+    __table_args__ = (sa.UniqueConstraint("run_id", "path"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    step: Mapped[int]
+    consumed: Mapped[int | None] = mapped_column(sa.BigInteger)
+    path: Mapped[str] = mapped_column(sa.String(1000))
+    manifest: Mapped[dict[str, Any] | None]
+    tags: Mapped[list[Any] | None]
+    metrics: Mapped[dict[str, Any] | None]
+    time: Mapped[float]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class ResumeEvent(Base):
+    """What a restart restored, per rank. Key: (run, incarnation, rank)."""
+
+    __tablename__ = "resume_events"
+    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    checkpoint_path: Mapped[str | None] = mapped_column(sa.String(1000))
+    checkpoint_step: Mapped[int | None]
+    restored: Mapped[dict[str, Any]]
+    time: Mapped[float]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class Incident(Base):
+    __tablename__ = "incidents"
+    __table_args__ = (sa.Index("ix_incidents_run_status", "run_id", "status"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(sa.String(64))
+    severity: Mapped[str] = mapped_column(sa.String(16))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    first_step: Mapped[int]
+    last_step: Mapped[int]
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    summary: Mapped[str] = mapped_column(sa.Text)
+    ranks: Mapped[list[Any]]
+    nodes: Mapped[list[Any]]
+    devices: Mapped[list[Any]]
+    finding_count: Mapped[int]
+    opened_at: Mapped[float]
+    updated_at: Mapped[float]
+    closed_at: Mapped[float | None]
+
+
+class FindingRow(Base):
+    __tablename__ = "findings"
+    __table_args__ = (sa.Index("ix_findings_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incident_id: Mapped[int | None] = mapped_column(
+        sa.ForeignKey("incidents.id", ondelete="SET NULL"), index=True
+    )
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    attempt: Mapped[int | None]
+    step: Mapped[int]
+    rank: Mapped[int | None]
+    kind: Mapped[str] = mapped_column(sa.String(64))
+    severity: Mapped[str] = mapped_column(sa.String(16))
+    signal: Mapped[str] = mapped_column(sa.String(64))
+    value: Mapped[float | None]
+    threshold: Mapped[float | None]
+    message: Mapped[str] = mapped_column(sa.Text)
+    evidence: Mapped[dict[str, Any] | None]
+    created_at: Mapped[float]

@@ -1,0 +1,70 @@
+"""The service's core, independent of HTTP: ingest a batch, then judge what it completed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from monitor import queries
+from monitor.config import ServiceConfig
+from monitor.engine import PolicyEngine
+from monitor.ingest import IngestResult, ingest_batch
+from monitor.summaries import fold_new_steps
+from monitor.tokens import digest_matches
+
+log = logging.getLogger("runhealth.service")
+
+
+class Service:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServiceConfig,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.clock = clock
+        self.policies = PolicyEngine(engine, config.engine, clock)
+        # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
+        self._write_lock = threading.Lock()
+        self.counters: Counter[tuple[str, str]] = Counter()
+        self._counter_lock = threading.Lock()
+
+    def count(self, run: str, what: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[(run, what)] += n
+
+    def run_id_for_token(self, run: str, token: str) -> int | None:
+        """The run's id when ``token`` is its bearer token; ``None`` when it is not."""
+        with self.engine.connect() as connection:
+            row = queries.run_row(connection, run)
+        return int(row.id) if digest_matches(token, row.token_hash) else None
+
+    def ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
+        with self._write_lock, self.engine.begin() as connection:
+            result = ingest_batch(connection, run_id, records, self.clock())
+            fold_new_steps(connection, run_id, result.new_steps)
+        self.count(run, "accepted", result.accepted)
+        self.count(run, "duplicates", result.duplicates)
+        try:
+            self.policies.judge(run_id)
+        except Exception:  # the records are stored; judging is retried on the next batch
+            log.exception("judging run %s failed", run)
+            self.count(run, "judge_errors")
+        return result
+
+    def healthy(self) -> dict[str, Any]:
+        with self.engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+        return {"status": "ok"}
+
+
+__all__ = ["Service"]

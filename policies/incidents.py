@@ -1,0 +1,75 @@
+"""Grouping findings into incidents: one incident per fault, updated as evidence grows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from policies.types import Finding, IncidentView
+
+# Findings of these kinds belong to one incident kind; a kind not listed is its own.
+INCIDENT_KIND_OF_FINDING = {
+    "loss_spike": "spike",
+    "grad_norm_spike": "spike",
+}
+
+
+@dataclass(frozen=True)
+class GroupingConfig:
+    """How near in steps a finding must be to an open incident of its kind to join it.
+
+    Default 50 steps: the BigScience chronicles' spikes run 4 to 220 logged steps from first
+    evidence to recovery, and a spike that recurs right after a rollback is the same fault
+    (it counts against the same incident).
+    """
+
+    merge_gap: int = 50
+
+    def __post_init__(self) -> None:
+        if self.merge_gap < 0:
+            raise ValueError(f"GroupingConfig.merge_gap must be >= 0, got {self.merge_gap}")
+
+
+def incident_kind(finding_kind: str) -> str:
+    return INCIDENT_KIND_OF_FINDING.get(finding_kind, finding_kind)
+
+
+def matching_incident(
+    finding: Finding, open_incidents: Iterable[IncidentView], config: GroupingConfig
+) -> IncidentView | None:
+    """The open incident this finding extends, or ``None`` when it starts a new one."""
+    kind = incident_kind(finding.kind)
+    near = [
+        incident
+        for incident in open_incidents
+        if incident.kind == kind
+        and incident.first_step - config.merge_gap
+        <= finding.step
+        <= incident.last_step + config.merge_gap
+    ]
+    return max(near, key=lambda incident: incident.last_step, default=None)
+
+
+def extend(incident: IncidentView, finding: Finding) -> IncidentView:
+    """The incident once this finding joins it: span, severity and count grow."""
+    severity = (
+        finding.severity if finding.severity.rank > incident.severity.rank else incident.severity
+    )
+    return IncidentView(
+        key=incident.key,
+        kind=incident.kind,
+        severity=severity,
+        first_step=min(incident.first_step, finding.step),
+        last_step=max(incident.last_step, finding.step),
+        finding_count=incident.finding_count + 1,
+    )
+
+
+def open_incident(key: int, finding: Finding) -> IncidentView:
+    return IncidentView(
+        key=key,
+        kind=incident_kind(finding.kind),
+        severity=finding.severity,
+        first_step=finding.step,
+        last_step=finding.step,
+    )

@@ -1,0 +1,50 @@
+"""Judging a whole recorded series in order: what ``runhealth backtest`` runs.
+
+The same step policies and grouping the live engine uses, with incidents kept in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from policies.incidents import extend, matching_incident, open_incident
+from policies.series import SeriesConfig, SeriesState, observe_step
+from policies.types import Finding, IncidentView, StepPoint
+
+
+@dataclass(frozen=True)
+class ReplayedIncident:
+    view: IncidentView
+    summary: str
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    steps: int
+    findings: tuple[tuple[Finding, int], ...]
+    """Each finding with the key of the incident it joined."""
+    incidents: tuple[ReplayedIncident, ...]
+
+
+def replay_series(points: Iterable[StepPoint], config: SeriesConfig) -> ReplayResult:
+    state = SeriesState.empty(config)
+    views: dict[int, IncidentView] = {}
+    summaries: dict[int, str] = {}
+    findings: list[tuple[Finding, int]] = []
+    steps = 0
+    for point in points:
+        steps += 1
+        state, found = observe_step(state, point, config)
+        for finding in found:
+            match = matching_incident(finding, views.values(), config.grouping)
+            if match is None:
+                key = len(views) + 1
+                views[key] = open_incident(key, finding)
+                summaries[key] = finding.message
+            else:
+                key = match.key
+                views[key] = extend(match, finding)
+            findings.append((finding, key))
+    incidents = tuple(ReplayedIncident(views[key], summaries[key]) for key in sorted(views))
+    return ReplayResult(steps=steps, findings=tuple(findings), incidents=incidents)

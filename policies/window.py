@@ -1,0 +1,49 @@
+"""A bounded trailing window with robust statistics, as an immutable value."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+# Scales a median absolute deviation to a standard deviation for normal noise.
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class RobustWindow:
+    """The last ``capacity`` finite values, in arrival order and sorted.
+
+    Kept as tuples so a policy state that holds one stays a frozen value; a push costs
+    O(capacity), which is what a trailing median needs anyway.
+    """
+
+    capacity: int
+    values: tuple[float, ...] = ()
+    ordered: tuple[float, ...] = ()
+
+    def push(self, value: float) -> RobustWindow:
+        values, ordered = self.values, list(self.ordered)
+        if len(values) >= self.capacity:
+            oldest = values[0]
+            del ordered[bisect.bisect_left(ordered, oldest)]
+            values = values[1:]
+        bisect.insort(ordered, value)
+        return RobustWindow(self.capacity, (*values, value), tuple(ordered))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def median(self) -> float:
+        return _median_sorted(self.ordered)
+
+    def mad(self) -> float:
+        center = self.median()
+        return _median_sorted(sorted(abs(v - center) for v in self.ordered))
+
+
+def _median_sorted(ordered: tuple[float, ...] | list[float]) -> float:
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median of an empty window")
+    mid = n // 2
+    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
