@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 
@@ -96,7 +96,7 @@ def check_local_disk(path: Path, mounts_file: Path = Path("/proc/self/mounts")) 
 
 
 def _json_serializer(obj: Any) -> str:
-    return json.dumps(to_wire(obj), allow_nan=False, separators=(",", ":"))
+    return orjson.dumps(to_wire(obj)).decode()
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -43,6 +43,8 @@ def to_wire(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {key: to_wire(value) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
+        if all(type(value) is int or type(value) is str for value in obj):
+            return obj  # the common case (sample ids): nothing to replace
         return [to_wire(value) for value in obj]
     return obj
 

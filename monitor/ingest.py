@@ -7,6 +7,7 @@ content raises ``ConflictError`` and the caller's transaction rolls the whole ba
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +38,16 @@ class ConflictError(Exception):
 class TableSpec:
     table: sa.Table
     key: tuple[str, ...]
+    flat: bool = True
+    """No nested models: the record's own field dict is the row (``model_dump`` costs ~10 us
+    a record, a third of the ingest budget)."""
 
 
 KEYED_TABLES: dict[str, TableSpec] = {
     "step": TableSpec(models.StepRecord.__table__, ("incarnation", "rank", "attempt")),  # type: ignore[arg-type]
     "device_sample": TableSpec(models.DeviceSample.__table__, ("node", "device_uuid", "seq")),  # type: ignore[arg-type]
     "link_sample": TableSpec(models.LinkSample.__table__, ("node", "device", "port", "seq")),  # type: ignore[arg-type]
-    "checkpoint": TableSpec(models.CheckpointEvent.__table__, ("path",)),  # type: ignore[arg-type]
+    "checkpoint": TableSpec(models.CheckpointEvent.__table__, ("path",), flat=False),  # type: ignore[arg-type]
     "resume": TableSpec(models.ResumeEvent.__table__, ("incarnation", "rank")),  # type: ignore[arg-type]
 }
 
@@ -60,15 +64,19 @@ class IngestResult:
 
 
 def content_hash(row: dict[str, Any]) -> str:
-    """A digest of a record's content, stable under dict key order, NaN distinct from null."""
-    parts = []
-    for name in sorted(row):
-        value = row[name]
-        if isinstance(value, dict | list):
-            parts.append(orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS).decode())
-        else:
-            parts.append(repr(value))
-    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
+    """A digest of a record's content: NaN distinct from null, nested dicts key-order-free.
+
+    Rows come from one pydantic model, so their field order is fixed and the tuple of values
+    is canonical; only free-form dicts need sorting.
+    """
+    values = tuple(
+        orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS)
+        if isinstance(value, dict)
+        else value
+        for value in row.values()
+    )
+    # pickle keeps float bits (NaN is not None) and is fast; protocol pinned for stability.
+    return hashlib.blake2b(pickle.dumps(values, protocol=5), digest_size=16).hexdigest()
 
 
 def dialect_insert(connection: Connection, table: sa.Table) -> Any:
@@ -112,7 +120,7 @@ def _ingest_keyed(
     spec = KEYED_TABLES[kind]
     fresh: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
     for index, record in indexed:
-        row = record.model_dump(exclude={"kind"})
+        row = _row_of(record, spec)
         digest = content_hash(row)
         key = tuple(row[name] for name in spec.key)
         if key in fresh:
@@ -122,17 +130,43 @@ def _ingest_keyed(
             continue
         row.update(run_id=run_id, received_at=now, content_hash=digest)
         fresh[key] = (index, row)
-    for key, stored_hash in _stored_hashes(connection, spec, run_id, fresh.keys()):
-        index, row = fresh.pop(key)
-        if stored_hash != row["content_hash"]:
-            raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
-        result.duplicates += 1
     rows = [row for _, row in fresh.values()]
-    if rows:
-        connection.execute(spec.table.insert(), rows)
+    inserted = _insert_new(connection, spec, rows)
+    if len(inserted) < len(rows):
+        # Only keys already stored come here: a re-send (counted) or a conflict (refused).
+        stored = dict(_stored_hashes(connection, spec, run_id, fresh.keys() - inserted))
+        for key, stored_hash in stored.items():
+            index, row = fresh[key]
+            if stored_hash != row["content_hash"]:
+                raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
+            result.duplicates += 1
+        rows = [row for key, (_, row) in fresh.items() if key in inserted]
     if kind == "step":
         result.new_steps.extend(rows)
     return len(rows)
+
+
+def _row_of(record: Any, spec: TableSpec) -> dict[str, Any]:
+    if not spec.flat:
+        return dict(record.model_dump(exclude={"kind"}))
+    row = dict(record.__dict__)  # pydantic keeps validated field values here, in field order
+    del row["kind"]
+    return row
+
+
+def _insert_new(
+    connection: Connection, spec: TableSpec, rows: list[dict[str, Any]]
+) -> set[tuple[Any, ...]]:
+    """Insert the rows whose key is not stored yet; return the keys that were inserted."""
+    if not rows:
+        return set()
+    key_columns = [spec.table.c[name] for name in spec.key]
+    statement = (
+        dialect_insert(connection, spec.table)
+        .on_conflict_do_nothing(index_elements=["run_id", *spec.key])
+        .returning(*key_columns)
+    )
+    return {tuple(row) for row in connection.execute(statement, rows)}
 
 
 def _stored_hashes(
