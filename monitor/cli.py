@@ -408,7 +408,11 @@ def demo(
     """Train a small real model on the CPU with one corrupted batch and show what was caught."""
     from monitor.demo import DemoConfig, run_demo
 
-    result = run_demo(DemoConfig(db=db, steps=steps, corrupt_step=corrupt_step), out, quiet=as_json)
+    try:
+        config = DemoConfig(db=db, steps=steps, corrupt_step=corrupt_step)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    result = run_demo(config, out, quiet=as_json)
     if as_json:
         print_json(result)
 
@@ -424,23 +428,16 @@ USER_ERRORS = (
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Run the CLI; a user error is one line on stderr and exit status 2, never a traceback."""
     try:
-        app(args=list(argv) if argv is not None else None, standalone_mode=False)
+        # standalone mode: usage errors print click's own message and exit 2
+        app(args=list(argv) if argv is not None else None, standalone_mode=True)
     except USER_ERRORS as exc:
         typer.echo(f"runhealth: error: {exc}", err=True)
         raise SystemExit(2) from None
     except sa.exc.OperationalError as exc:
         typer.echo(f"runhealth: error: the store is unavailable: {exc.orig}", err=True)
         raise SystemExit(2) from None
-    except (typer.Exit, typer.Abort) as exc:
-        raise SystemExit(getattr(exc, "exit_code", 1)) from None
-    except Exception as exc:  # click's usage errors carry their own exit codes
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            raise SystemExit(exc.exit_code) from None
-        raise
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def resolve_url(db: str | None, environ: Mapping[str, str]) -> URL:
         raw = f"sqlite:///{Path(raw).expanduser().absolute()}"
     try:
         return make_url(raw)
-    except sa.exc.ArgumentError as exc:
+    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise StoreError(f"not a database URL or path: {raw!r}") from exc
 
 

@@ -1,0 +1,304 @@
+"""Helpers shared by the tests: what to do when a dependency is missing, and a real
+PostgreSQL 15 server the session starts and stops itself."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine
+
+from monitor import queries
+from monitor.models import Base
+
+POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
+POSTGRES_USER = "postgres"
+BACKENDS = ("sqlite", "postgres")
+
+# Apply to a test that takes the ``backend`` fixture to run it on both stores.
+both_backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def missing(reason: str, environ: Mapping[str, str] = os.environ) -> NoReturn:
+    """Skip a test whose dependency is missing; in CI (``CI=true``) fail it instead."""
+    if environ.get("CI", "").lower() == "true":
+        pytest.fail(f"required in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_binary(name: str, directory: Path | None = None) -> Path:
+    """The path of an executable, found in ``directory`` or on PATH."""
+    if directory is not None:
+        candidate = directory / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+        missing(f"{candidate} is not installed")
+    found = shutil.which(name)
+    if found is None:
+        missing(f"{name} is not on PATH")
+    return Path(found)
+
+
+def require_module(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        missing(f"python package {name} is not installed")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def make_traversable(path: Path) -> None:
+    """Let another user reach ``path``: add o+x to it and every parent that lacks it."""
+    for directory in [path, *path.parents]:
+        mode = directory.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            directory.chmod(mode | stat.S_IXOTH)
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster under ``root``: loopback only, trust auth, no fsync.
+
+    initdb refuses to run as root, so as root every server command runs as ``postgres``.
+    """
+
+    def __init__(self, root: Path, bin_dir: Path = POSTGRES_BIN) -> None:
+        self.root = root
+        self.data = root / "data"
+        self.log = root / "server.log"
+        self.bin_dir = bin_dir
+        self.port = 0
+        self._names = itertools.count()
+        self._as_owner: list[str] = []
+        if os.geteuid() == 0:
+            self._as_owner = [str(require_binary("runuser")), "-u", POSTGRES_USER, "--"]
+
+    def start(self) -> None:
+        require_binary("initdb", self.bin_dir)
+        require_binary("pg_ctl", self.bin_dir)
+        self._prepare_root()
+        self._command("initdb", "-D", str(self.data), "-U", "postgres", "-E", "UTF8", "-N")
+        (self.data / "pg_hba.conf").write_text(
+            "local all all trust\nhost all all 127.0.0.1/32 trust\n"
+        )
+        for _attempt in range(3):  # a free port can be taken between probe and bind
+            self.port = free_port()
+            self._write_settings()
+            started = self._command(
+                "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start",
+                check=False,
+            )
+            if started.returncode == 0:
+                return
+            self.stop()
+        raise RuntimeError(f"PostgreSQL did not start; see {self.log}")
+
+    def stop(self) -> None:
+        """Stop the server, and make sure no postmaster survives it."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        self._command("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop", check=False)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def url(self, database: str = "postgres") -> URL:
+        return URL.create(
+            "postgresql+psycopg2",
+            username="postgres",
+            host="127.0.0.1",
+            port=self.port,
+            database=database,
+        )
+
+    def create_database(self, prefix: str = "test") -> URL:
+        """A new, empty database with a name unique in this session."""
+        name = f"{prefix}_{os.getpid()}_{next(self._names)}"
+        psycopg2 = require_module("psycopg2")
+        connection = psycopg2.connect(host="127.0.0.1", port=self.port, user="postgres")
+        try:
+            connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
+            with connection.cursor() as cursor:
+                cursor.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            connection.close()
+        return self.url(name)
+
+    def _prepare_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self._as_owner:
+            owner = pwd.getpwnam(POSTGRES_USER)
+            os.chown(self.root, owner.pw_uid, owner.pw_gid)
+            make_traversable(self.root)
+
+    def _write_settings(self) -> None:
+        settings = {
+            "listen_addresses": "'127.0.0.1'",
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.data}'",
+            # A test cluster: durability buys nothing and costs seconds.
+            "fsync": "off",
+            "synchronous_commit": "off",
+            "full_page_writes": "off",
+            "max_connections": "200",
+        }
+        lines = [f"{name} = {value}" for name, value in settings.items()]
+        (self.data / "postgresql.auto.conf").write_text("\n".join(lines) + "\n")
+
+    def _command(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = [*self._as_owner, str(self.bin_dir / name), *args]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=120, cwd=self.root, check=False
+        )
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# --- records and store contents --------------------------------------------------------------
+
+ADMIN_TOKEN = "rh_admin_test-admin-token"
+INCARNATION = "00000000-0000-4000-8000-000000000001"
+SHA = "0123456789abcdef" * 4
+
+
+def step_record(rank: int = 0, attempt: int = 0, **fields: Any) -> dict[str, Any]:
+    """One rank's step record as a collector sends it; ``fields`` override the defaults."""
+    record: dict[str, Any] = {
+        "kind": "step",
+        "incarnation": INCARNATION,
+        "rank": rank,
+        "attempt": attempt,
+        "step": attempt,
+        "time": 1000.0 + attempt,
+        "tokens": 1024,
+        "loss_sum": 2048.0,
+        "grad_norm": 1.5,
+        "lr": 3e-4,
+        "loss_scale": 65536.0,
+        "skipped": False,
+    }
+    record.update(fields)
+    return record
+
+
+def steps(count: int, ranks: int = 1, first_attempt: int = 0) -> list[dict[str, Any]]:
+    return [
+        step_record(rank, attempt)
+        for attempt in range(first_attempt, first_attempt + count)
+        for rank in range(ranks)
+    ]
+
+
+def record_of_each_kind() -> list[dict[str, Any]]:
+    """One valid record of every kind the ingest API takes, in ``RECORD_KINDS`` order."""
+    return [
+        step_record(node="node-0", device_uuid="GPU-0", sample_ids=[1, "shard-3:17"]),
+        {"kind": "heartbeat", "incarnation": INCARNATION, "rank": 0, "phase": "forward",
+         "phase_since": 999.0, "time": 1000.0, "node": "node-0", "step": 0, "attempt": 0},
+        {"kind": "run_start", "incarnation": INCARNATION, "time": 990.0, "world_size": 1,
+         "layout": {"dp": 1, "tp": 1}, "config": {"lr": 3e-4}},
+        {"kind": "run_finish", "incarnation": INCARNATION, "time": 2000.0, "status": "completed"},
+        {"kind": "device_sample", "node": "node-0", "device_uuid": "GPU-0", "seq": 1,
+         "time": 1000.0, "rank": 0, "clock_event_reasons": 0, "sm_clock_mhz": 1980.0,
+         "power_w": 650.5, "temperature_c": 61.0, "counters": {"ecc_dbe": 0},
+         "xids": [{"xid": 79, "time": 1000.0}]},
+        {"kind": "link_sample", "node": "node-0", "device": "mlx5_0", "port": 1, "seq": 1,
+         "time": 1000.0, "state": "ACTIVE", "counters": {"symbol_error": 0},
+         "saturated": []},
+        {"kind": "checkpoint", "incarnation": INCARNATION, "rank": 0, "step": 0,
+         "path": "/ckpt/step-0", "time": 1001.0, "consumed": 64,
+         "manifest": {"step": 0, "consumed": 64,
+                      "files": [{"path": "model.pt", "size": 123, "sha256": SHA}]},
+         "tags": ["periodic"], "metrics": {"loss": 2.0}},
+        {"kind": "resume", "incarnation": INCARNATION, "rank": 0, "time": 1002.0,
+         "restored": {"optimizer": True, "lr": 3e-4}, "checkpoint_path": "/ckpt/step-0",
+         "checkpoint_step": 0},
+    ]
+
+
+def batch(*records: dict[str, Any]) -> dict[str, Any]:
+    return {"records": list(records)}
+
+
+def count_rows(engine: Engine, table: sa.Table | Any) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+
+
+def table_counts(engine: Engine) -> dict[str, int]:
+    """Rows in every table of the models, by name."""
+    return {name: count_rows(engine, table) for name, table in Base.metadata.tables.items()}
+
+
+def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table, in id order: compare two to prove nothing was written."""
+    found = {}
+    with engine.connect() as connection:
+        for name, table in Base.metadata.tables.items():
+            rows = connection.execute(sa.select(table).order_by(*table.primary_key.columns))
+            found[name] = [tuple(row) for row in rows]
+    return found
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    name: str
+    id: int
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    @property
+    def records_path(self) -> str:
+        return f"/v1/runs/{self.name}/records"
+
+
+def make_run(store: Engine, name: str) -> RunHandle:
+    with store.begin() as connection:
+        token = queries.create_run(connection, name)
+        run_id = int(queries.run_row(connection, name).id)
+    return RunHandle(name=name, id=run_id, token=token)

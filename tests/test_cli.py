@@ -1,0 +1,162 @@
+"""The command line: listings with --json, filters, export, and one-line user errors."""
+
+import json
+import math
+import uuid
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from monitor import migrate, queries
+from monitor.cli import main
+from monitor.config import ServiceConfig
+from monitor.db import create_store_engine, resolve_url
+from monitor.schemas import BatchIn
+from monitor.service import Service
+
+CURVES = Path(__file__).parent / "data" / "real-curves"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def seed_store(db: Path) -> None:
+    """A run of 80 windows on 2 ranks with a loss spike at step 70 and a NaN at step 75."""
+    engine = create_store_engine(resolve_url(str(db), {}))
+    migrate.upgrade(engine)
+    service = Service(engine, ServiceConfig())
+    with engine.begin() as connection:
+        queries.create_run(connection, "cli-run")
+        run_id = int(queries.run_row(connection, "cli-run").id)
+    incarnation = str(uuid.uuid4())
+    records = [{"kind": "run_start", "incarnation": incarnation, "time": 0.0, "world_size": 2}]
+    for step in range(1, 81):
+        loss = 8.0 if step == 70 else ("NaN" if step == 75 else 2.0 + 0.01 * (step % 3))
+        for rank in (0, 1):
+            records.append(
+                {"kind": "step", "incarnation": incarnation, "rank": rank, "attempt": step,
+                 "step": step, "time": float(step), "node": f"node-{rank}", "tokens": 100,
+                 "loss_sum": loss if isinstance(loss, str) else loss * 100, "grad_norm": 1.0}
+            )
+    batch = BatchIn.model_validate_json(json.dumps({"records": records}))
+    service.ingest("cli-run", run_id, batch.records)
+    engine.dispose()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    db = tmp_path / "cli.db"
+    seed_store(db)
+    return db
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0
+    for command in ("serve", "db", "runs", "incidents", "incident", "backtest", "export", "demo"):
+        assert command in out
+
+
+def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "incidents", "--db", str(store), "--json")
+    assert code == 0
+    incidents = json.loads(out)["incidents"]
+    assert {(i["kind"], i["first_step"]) for i in incidents} == {("spike", 70), ("nonfinite", 75)}
+    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
+    assert [i["first_step"] for i in json.loads(out)["incidents"]] == [75]
+    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--severity", "critical", "--run", "other")
+    assert json.loads(out)["incidents"] == []
+    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--since", "1h")
+    assert len(json.loads(out)["incidents"]) == 2
+    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--until", "2000-01-01")
+    assert json.loads(out)["incidents"] == []
+
+
+def test_incident_shows_its_evidence_with_nan_encoded(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
+    incident_id = json.loads(out)["incidents"][0]["id"]
+    code, out, _ = cli(capsys, "incident", str(incident_id), "--db", str(store), "--json")
+    assert code == 0
+    assert '"value": "NaN"' in out
+    shown = json.loads(out)
+    assert shown["evidence"][0]["signal"] == "loss"
+    code, out, _ = cli(capsys, "incident", str(incident_id), "--db", str(store))
+    assert code == 0 and "nonfinite" in out
+
+
+def test_runs_lists_and_creates(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "runs", "--db", str(store), "--json")
+    (run,) = json.loads(out)["runs"]
+    assert (run["name"], run["latest_step"], run["open_incidents"]) == ("cli-run", 80, 2)
+    code, out, _ = cli(capsys, "runs", "create", "second", "--db", str(store), "--json")
+    assert code == 0 and json.loads(out)["token"].startswith("rh_run_")
+    code, _, err = cli(capsys, "runs", "create", "second", "--db", str(store))
+    assert code == 2 and err.count("\n") == 1 and "already exists" in err
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_export_steps_and_incidents(store: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    steps_file = tmp_path / f"steps{suffix}"
+    code, out, _ = cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
+    assert code == 0 and "wrote 80 steps rows" in out
+    frame = pl.read_parquet(steps_file) if suffix == ".parquet" else pl.read_csv(steps_file)
+    assert frame.height == 80
+    nan_row = frame.filter(pl.col("step") == 75)
+    assert math.isnan(nan_row["loss"][0])
+    history = tmp_path / f"incidents{suffix}"
+    code, out, _ = cli(capsys, "export", "cli-run", "--what", "incidents", "--out", str(history), "--db", str(store))
+    assert code == 0 and "wrote 2 incidents rows" in out
+    code, out, _ = cli(capsys, "export", "cli-run", "--what", "records", "--out", str(tmp_path / f"r{suffix}"), "--db", str(store))
+    assert "wrote 160 records rows" in out
+
+
+def test_exported_steps_backtest_to_the_same_incidents(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    steps_file = tmp_path / "steps.csv"
+    cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
+    code, out, _ = cli(capsys, "backtest", str(steps_file), "--json")
+    assert code == 0
+    assert {(i["kind"], i["first_step"]) for i in json.loads(out)["incidents"]} == {("spike", 70), ("nonfinite", 75)}
+
+
+def test_backtest_json_document_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "backtest", str(CURVES / "bigscience_chronicle_excerpts.csv"), "--json", "--run", "tr8-104B")
+    assert code == 0
+    document = json.loads(out)
+    assert {"run", "steps", "findings", "incidents"} <= document.keys()
+    assert set(document["findings"][0]) >= {"step", "kind", "severity", "signal", "value", "threshold", "message"}
+    assert set(document["incidents"][0]) >= {"id", "kind", "severity", "first_step", "last_step", "summary"}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["backtest", "/nonexistent/file.csv"],
+        ["backtest", str(CURVES / "labels.csv")],
+        ["backtest", str(CURVES / "labels.csv"), "--preset", "magic"],
+        ["incident", "999", "--db", "{db}"],
+        ["incidents", "--db", "{db}", "--severity", "huge"],
+        ["incidents", "--db", "{db}", "--since", "yesterday-ish"],
+        ["export", "nope", "--out", "x.csv", "--db", "{db}"],
+        ["export", "cli-run", "--out", "x.xlsx", "--db", "{db}"],
+        ["incidents", "--db", "{fresh}"],
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(store: Path, tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a.format(db=store, fresh=tmp_path / "fresh.db") for a in args]
+    code, out, err = cli(capsys, *args)
+    assert code == 2
+    assert err.startswith("runhealth: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_usage_errors_exit_nonzero_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "incidents", "--no-such-flag")
+    assert code != 0 and "Traceback" not in err

@@ -1,0 +1,136 @@
+"""Opening the store: where the URL comes from, SQLite's pragmas, and the refusal of SQLite
+on a network filesystem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+
+from monitor import cli
+from monitor.db import (
+    DEFAULT_DB_FILE,
+    StoreError,
+    check_local_disk,
+    create_store_engine,
+    filesystem_type,
+    resolve_url,
+    sqlite_path,
+)
+
+PG_URL = "postgresql+psycopg2://monitor@db.example:5432/runhealth"
+
+
+def mounts(tmp_path: Path, *entries: tuple[str, str]) -> Path:
+    """A fake /proc/self/mounts: the root on ext4, then ``(mount point, fstype)`` entries."""
+    lines = ["/dev/sda1 / ext4 rw,relatime 0 0"]
+    lines += [f"server:/export {point} {fstype} rw 0 0" for point, fstype in entries]
+    path = tmp_path / "mounts"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_db_option_wins_over_environment(tmp_path: Path) -> None:
+    url = resolve_url(str(tmp_path / "flag.db"), {"RUNHEALTH_DB": PG_URL})
+    assert url.get_backend_name() == "sqlite"
+    assert url.database == str(tmp_path / "flag.db")
+
+
+def test_environment_wins_over_default() -> None:
+    url = resolve_url(None, {"RUNHEALTH_DB": PG_URL})
+    assert url.render_as_string(hide_password=False) == PG_URL
+
+
+def test_default_is_a_file_in_the_working_directory() -> None:
+    url = resolve_url(None, {})
+    assert url.get_backend_name() == "sqlite"
+    assert url.database == str(Path.cwd() / DEFAULT_DB_FILE)
+
+
+def test_empty_environment_value_means_unset() -> None:
+    assert resolve_url(None, {"RUNHEALTH_DB": ""}).database == str(Path.cwd() / DEFAULT_DB_FILE)
+
+
+def test_bare_relative_path_is_an_absolute_sqlite_url() -> None:
+    url = resolve_url("stores/run.db", {})
+    assert url.drivername == "sqlite"
+    assert url.database == str(Path.cwd() / "stores" / "run.db")
+
+
+def test_home_is_expanded_in_a_bare_path() -> None:
+    assert resolve_url("~/run.db", {}).database == str(Path.home() / "run.db")
+
+
+@pytest.mark.parametrize("raw", ["postgresql://u@h:notaport/db", "://no-backend"])
+def test_unparseable_url_is_a_store_error(raw: str) -> None:
+    with pytest.raises(StoreError, match="not a database URL"):
+        resolve_url(raw, {})
+
+
+def test_sqlite_path_only_for_sqlite_files(tmp_path: Path) -> None:
+    assert sqlite_path(URL.create("sqlite", database=str(tmp_path / "a.db"))) == tmp_path / "a.db"
+    assert sqlite_path(URL.create("sqlite")) is None
+    assert sqlite_path(URL.create("sqlite", database=":memory:")) is None
+    assert sqlite_path(sa.make_url(PG_URL)) is None
+
+
+def test_filesystem_type_takes_the_longest_mount_prefix(tmp_path: Path) -> None:
+    table = mounts(tmp_path, ("/shared", "nfs4"), ("/shared/local", "xfs"))
+    assert filesystem_type(Path("/shared/run"), table) == "nfs4"
+    assert filesystem_type(Path("/shared/local/run"), table) == "xfs"
+    assert filesystem_type(Path("/shared-not/run"), table) == "ext4"
+    assert filesystem_type(Path("/work"), tmp_path / "absent") is None
+
+
+def test_filesystem_type_reads_escaped_spaces(tmp_path: Path) -> None:
+    table = mounts(tmp_path, ("/mnt/my\\040share", "cifs"))
+    assert filesystem_type(Path("/mnt/my share/run"), table) == "cifs"
+
+
+@pytest.mark.parametrize("fstype", ["nfs", "nfs4", "lustre"])
+def test_sqlite_on_a_network_filesystem_is_refused(tmp_path: Path, fstype: str) -> None:
+    shared = tmp_path / "shared"
+    table = mounts(tmp_path, (str(shared), fstype))
+    url = URL.create("sqlite", database=str(shared / "store" / "runhealth.db"))
+    with pytest.raises(StoreError) as refused:
+        create_store_engine(url, mounts_file=table)
+    message = str(refused.value)
+    assert fstype in message and "PostgreSQL" in message and "\n" not in message
+    assert not (shared / "store").exists()
+
+
+def test_sqlite_on_a_local_disk_is_accepted(tmp_path: Path) -> None:
+    table = mounts(tmp_path, ("/elsewhere", "nfs"))
+    check_local_disk(tmp_path / "runhealth.db", table)  # raises on refusal
+
+
+def test_postgres_url_skips_the_filesystem_check(tmp_path: Path) -> None:
+    table = mounts(tmp_path)
+    table.write_text("server:/export / nfs4 rw 0 0\n")
+    engine = create_store_engine(sa.make_url(PG_URL), mounts_file=table)
+    assert engine.dialect.name == "postgresql"
+    engine.dispose()
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
+    engine = create_store_engine(URL.create("sqlite", database=str(tmp_path / "d" / "s.db")))
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    finally:
+        engine.dispose()
+    assert (tmp_path / "d" / "s.db").exists()
+
+
+def test_cli_store_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's path for a store it refuses (an NFS path raises the same StoreError)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["db", "upgrade", "--db", "postgresql://u@h:notaport/db"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("runhealth: error: not a database URL")

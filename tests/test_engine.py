@@ -1,0 +1,100 @@
+"""The engine: windows judged once complete, in order, with state that survives a restart."""
+
+import json
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from monitor import migrate, models, queries
+from monitor.config import ServiceConfig
+from monitor.db import create_store_engine, resolve_url
+from monitor.schemas import BatchIn
+from monitor.service import Service
+
+INCARNATION = str(uuid.uuid4())
+
+
+def make_service(db: Path) -> tuple[Service, int]:
+    engine = create_store_engine(resolve_url(str(db), {}))
+    migrate.upgrade(engine)
+    with engine.begin() as connection:
+        if connection.execute(sa.select(models.Run.id)).first() is None:
+            queries.create_run(connection, "r")
+        run_id = int(queries.run_row(connection, "r").id)
+    return Service(engine, ServiceConfig()), run_id
+
+
+def steps(attempts: range, ranks: tuple[int, ...], loss: dict[int, float] | None = None) -> list[dict]:
+    loss = loss or {}
+    return [
+        {"kind": "step", "incarnation": INCARNATION, "rank": rank, "attempt": a, "step": a,
+         "time": float(a), "tokens": 10, "loss_sum": 10 * loss.get(a, 2.0 + 0.01 * (a % 3))}
+        for a in attempts
+        for rank in ranks
+    ]
+
+
+def post(service: Service, run_id: int, records: list[dict]) -> None:
+    batch = BatchIn.model_validate_json(json.dumps({"records": records}))
+    service.ingest("r", run_id, batch.records)
+
+
+def judged(service: Service) -> list[int]:
+    table = models.StepSummary.__table__
+    with service.engine.connect() as connection:
+        return list(connection.execute(sa.select(table.c.attempt).where(table.c.judged).order_by(table.c.attempt)).scalars())
+
+
+def incidents(service: Service) -> list[tuple[str, int, int]]:
+    with service.engine.connect() as connection:
+        rows = queries.list_incidents(connection, queries.IncidentFilter(run="r"))
+    return [(i["kind"], i["first_step"], i["last_step"]) for i in rows]
+
+
+def test_a_window_waits_for_every_rank_of_the_declared_world(tmp_path: Path) -> None:
+    service, run_id = make_service(tmp_path / "s.db")
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 3}])
+    post(service, run_id, steps(range(1, 2), (0, 1)))
+    assert judged(service) == []
+    post(service, run_id, steps(range(1, 2), (2,)))
+    assert judged(service) == [1]
+
+
+def test_a_dead_rank_cannot_stall_judgement_past_the_watermark(tmp_path: Path) -> None:
+    service, run_id = make_service(tmp_path / "s.db")
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(1, 5), (0,)))  # rank 1 never reports
+    assert judged(service) == [1, 2]  # attempt 4 arrived: windows 2 and more behind are judged
+
+
+def test_windows_are_judged_in_order_even_when_they_complete_out_of_order(tmp_path: Path) -> None:
+    service, run_id = make_service(tmp_path / "s.db")
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(2, 3), (0, 1)) + steps(range(1, 2), (0,)))
+    assert judged(service) == []  # window 2 is complete but waits for window 1
+    post(service, run_id, steps(range(1, 2), (1,)))
+    assert judged(service) == [1, 2]
+
+
+def test_a_spike_right_after_a_service_restart_is_judged_without_a_new_warm_up(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    service, run_id = make_service(db)
+    post(service, run_id, steps(range(1, 81), (0,)))
+    service.engine.dispose()
+    restarted, run_id = make_service(db)  # a new process: policy state rebuilt from the store
+    post(restarted, run_id, steps(range(81, 84), (0,), loss={82: 9.0}))
+    assert incidents(restarted) == [("spike", 82, 82)]
+
+
+def test_consecutive_spikes_are_one_incident_and_late_records_open_nothing_new(tmp_path: Path) -> None:
+    service, run_id = make_service(tmp_path / "s.db")
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    spikes = {70: 9.0, 71: 9.5, 72: 9.2}
+    post(service, run_id, steps(range(1, 80), (0,), loss=spikes))
+    post(service, run_id, steps(range(1, 74), (1,), loss=spikes))  # rank 1 replayed late from a spool
+    assert incidents(service) == [("spike", 70, 72)]
+    table = models.StepSummary.__table__
+    with service.engine.connect() as connection:
+        late = connection.execute(sa.select(sa.func.sum(table.c.late_records))).scalar_one()
+    assert late > 0

@@ -1,0 +1,148 @@
+"""The Alembic history: every revision up, down to base and up again, on SQLite and
+PostgreSQL, and the models agreeing with what the migrations build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.environment import EnvironmentContext
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import URL, Engine
+
+from monitor import cli, migrate
+from monitor.db import create_store_engine
+from monitor.models import Base
+from tests.support import both_backends, require_binary
+
+IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
+
+
+def script_directory() -> ScriptDirectory:
+    return ScriptDirectory.from_config(migrate.alembic_config())
+
+
+def revisions_oldest_first() -> list[str]:
+    return [rev.revision for rev in reversed(list(script_directory().walk_revisions()))]
+
+
+def env_include_object(connection: sa.Connection) -> IncludeObject:
+    """The ``include_object`` that ``migrations/env.py`` configures, read from a run of it
+    that applies no step."""
+    config = migrate.alembic_config(connection)
+    script = ScriptDirectory.from_config(config)
+    options: dict[str, Any] = {}
+
+    def no_steps(_revision: Any, context: MigrationContext) -> list[Any]:
+        options.update(context.opts)
+        return []
+
+    with EnvironmentContext(config, script, fn=no_steps):
+        script.run_env()
+    include_object: IncludeObject = options["include_object"]
+    return include_object
+
+
+def schema_differences(engine: Engine) -> list[Any]:
+    with engine.connect() as connection:
+        context = MigrationContext.configure(
+            connection,
+            opts={"compare_type": True, "include_object": env_include_object(connection)},
+        )
+        return list(compare_metadata(context, Base.metadata))
+
+
+def our_tables(engine: Engine) -> set[str]:
+    return set(sa.inspect(engine).get_table_names()) - {"alembic_version"}
+
+
+def test_history_is_one_line_from_base_to_head() -> None:
+    script = script_directory()
+    revisions = revisions_oldest_first()
+    assert script.get_heads() == [revisions[-1]]
+    previous = None
+    for revision in revisions:
+        assert script.get_revision(revision).down_revision == previous
+        previous = revision
+
+
+def test_env_excludes_only_foreign_tables() -> None:
+    engine = create_store_engine(URL.create("sqlite"))
+    with engine.connect() as connection:
+        include_object = env_include_object(connection)
+    engine.dispose()
+    assert include_object(None, "apscheduler_jobs", "table", True, None) is False
+    assert include_object(None, "step_records", "table", True, None) is True
+
+
+@both_backends
+def test_every_revision_up_down_and_up_again(empty_store: Engine) -> None:
+    revisions = revisions_oldest_first()
+    for revision in revisions:
+        migrate.upgrade(empty_store, revision)
+        assert migrate.current_revision(empty_store) == revision
+    assert schema_differences(empty_store) == []
+    for previous in reversed([None, *revisions[:-1]]):
+        migrate.downgrade(empty_store, previous or "base")
+        assert migrate.current_revision(empty_store) == previous
+    assert our_tables(empty_store) == set()
+    migrate.upgrade(empty_store)
+    assert migrate.is_current(empty_store)
+    assert schema_differences(empty_store) == []
+
+
+@both_backends
+def test_head_builds_every_model_table(store: Engine) -> None:
+    assert our_tables(store) == set(Base.metadata.tables)
+
+
+def test_schema_comparison_sees_a_missing_table(store: Engine) -> None:
+    """The agreement check above can fail: drop a table and it must say so."""
+    with store.begin() as connection:
+        connection.execute(sa.text("DROP TABLE heartbeats"))
+    differences = schema_differences(store)
+    assert [(d[0], d[1].name) for d in differences] == [("add_table", "heartbeats")]
+
+
+def test_cli_db_upgrade_creates_a_store_from_scratch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "new" / "runhealth.db"
+    cli.main(["db", "upgrade", "--db", str(path)])
+    assert capsys.readouterr().out.strip() == f"store at revision {migrate.head_revision()}"
+    engine = create_store_engine(URL.create("sqlite", database=str(path)))
+    try:
+        assert migrate.is_current(engine)
+        assert schema_differences(engine) == []
+    finally:
+        engine.dispose()
+
+
+def test_installed_console_script_upgrades_from_another_directory(tmp_path: Path) -> None:
+    runhealth = Path(sys.executable).parent / "runhealth"
+    if not runhealth.exists():
+        runhealth = require_binary("runhealth")
+    environ = {name: value for name, value in os.environ.items() if name != "RUNHEALTH_DB"}
+    done = subprocess.run(
+        [str(runhealth), "db", "upgrade", "--db", "store.db"],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    engine = create_store_engine(URL.create("sqlite", database=str(tmp_path / "store.db")))
+    try:
+        assert migrate.is_current(engine)
+    finally:
+        engine.dispose()

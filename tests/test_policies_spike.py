@@ -1,0 +1,97 @@
+import math
+
+import pytest
+
+from policies.spike import SpikeConfig, SpikeState, observe_spike
+from policies.types import Severity, StepPoint
+from policies.window import MAD_TO_SIGMA
+
+CONFIG = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05)
+
+
+def warmed(values: list[float], config: SpikeConfig = CONFIG) -> SpikeState:
+    state = SpikeState.empty(config)
+    for step, value in enumerate(values):
+        state, found = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
+        assert found == ()
+    return state
+
+
+def noisy(n: int, center: float = 2.0, spread: float = 0.01) -> list[float]:
+    return [center + spread * ((i * 7) % 5 - 2) for i in range(n)]
+
+
+def threshold_of(state: SpikeState, config: SpikeConfig = CONFIG) -> float:
+    center = state.window.median()
+    return center + max(config.z * MAD_TO_SIGMA * state.window.mad(), config.min_relative * center)
+
+
+def judge(state: SpikeState, value: float, step: int = 100) -> tuple:
+    return observe_spike(state, StepPoint(step=step, loss=value), "loss", CONFIG)[1]
+
+
+def test_just_over_the_threshold_is_a_spike_just_under_is_not() -> None:
+    state = warmed(noisy(20))
+    threshold = threshold_of(state)
+    assert judge(state, threshold * (1 - 1e-9)) == ()
+    (finding,) = judge(state, threshold * (1 + 1e-9))
+    assert finding.kind == "loss_spike"
+    assert finding.threshold == pytest.approx(threshold)
+    assert finding.step == 100
+
+
+def test_relative_floor_governs_a_flat_series() -> None:
+    state = warmed([2.0] * 20)  # MAD 0: only the 5% floor stands between jitter and alarm
+    assert judge(state, 2.099) == ()
+    assert len(judge(state, 2.101)) == 1
+
+
+def test_no_judgement_during_warm_up() -> None:
+    state = warmed(noisy(9))
+    state, found = observe_spike(state, StepPoint(step=9, loss=1000.0), "loss", CONFIG)
+    assert found == ()
+    assert len(state.window) == 10
+
+
+def test_missing_and_nonfinite_values_are_left_to_other_policies() -> None:
+    state = warmed(noisy(20))
+    for value in (None, math.nan, math.inf):
+        new_state, found = observe_spike(state, StepPoint(step=50, loss=value), "loss", CONFIG)
+        assert found == ()
+        assert new_state is state
+
+
+def test_a_spike_enters_the_window_clipped() -> None:
+    state = warmed(noisy(20))
+    threshold = threshold_of(state)
+    new_state, _ = observe_spike(state, StepPoint(step=21, loss=50.0), "loss", CONFIG)
+    assert new_state.window.values[-1] == pytest.approx(threshold)
+
+
+def test_severity_grows_with_the_excess() -> None:
+    state = warmed(noisy(20))
+    center = state.window.median()
+    allowed = threshold_of(state) - center
+    (warning,) = judge(state, center + 1.5 * allowed)
+    (critical,) = judge(state, center + 2.5 * allowed)
+    assert warning.severity is Severity.WARNING
+    assert critical.severity is Severity.CRITICAL
+
+
+def test_a_falling_loss_is_never_a_spike() -> None:
+    state = warmed(noisy(20))
+    assert judge(state, 0.01) == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"window": 2}, {"warmup": 0}, {"warmup": 200}, {"z": 0.0}, {"min_relative": -0.1}, {"critical_factor": 0.5}],
+)
+def test_config_rejects_nonsense(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SpikeConfig(**kwargs)
+
+
+def test_authored_preset_is_median_plus_three_sigma_over_fifty() -> None:
+    authored = SpikeConfig.authored()
+    assert (authored.window, authored.warmup, authored.z, authored.min_relative) == (50, 50, 3.0, 0.0)
