@@ -135,9 +135,10 @@ def _tiny_lm(vocab: int, width: int, layers: int, heads: int, seq_len: int) -> A
             self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len))
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
             n = tokens.shape[1]
-            hidden = self.blocks(hidden, mask=self.mask[:n, :n], is_causal=True)
+            mask: torch.Tensor = self.mask  # type: ignore[assignment]
+            hidden = self.embed(tokens) + self.position[:n]
+            hidden = self.blocks(hidden, mask=mask[:n, :n], is_causal=True)
             return self.head(hidden)  # type: ignore[no-any-return]
 
     return TinyLM()

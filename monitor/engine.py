@@ -21,10 +21,10 @@ from policies.incidents import extend, matching_incident, open_incident
 from policies.series import SeriesConfig, SeriesState, observe_step
 from policies.types import Finding, IncidentView, Severity, StepPoint
 
-SUMMARY = models.StepSummary.__table__
-INCIDENT = models.Incident.__table__
-FINDING = models.FindingRow.__table__
-INCARNATION = models.Incarnation.__table__
+SUMMARY = models.table_of(models.StepSummary)
+INCIDENT = models.table_of(models.Incident)
+FINDING = models.table_of(models.FindingRow)
+INCARNATION = models.table_of(models.Incarnation)
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,13 @@ class TableSpec:
 
 
 KEYED_TABLES: dict[str, TableSpec] = {
-    "step": TableSpec(models.StepRecord.__table__, ("incarnation", "rank", "attempt")),  # type: ignore[arg-type]
-    "device_sample": TableSpec(models.DeviceSample.__table__, ("node", "device_uuid", "seq")),  # type: ignore[arg-type]
-    "link_sample": TableSpec(models.LinkSample.__table__, ("node", "device", "port", "seq")),  # type: ignore[arg-type]
-    "checkpoint": TableSpec(models.CheckpointEvent.__table__, ("path",), flat=False),  # type: ignore[arg-type]
-    "resume": TableSpec(models.ResumeEvent.__table__, ("incarnation", "rank")),  # type: ignore[arg-type]
+    "step": TableSpec(models.table_of(models.StepRecord), ("incarnation", "rank", "attempt")),
+    "device_sample": TableSpec(
+        models.table_of(models.DeviceSample), ("node", "device_uuid", "seq")
+    ),
+    "link_sample": TableSpec(models.table_of(models.LinkSample), ("node", "device", "port", "seq")),
+    "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), ("path",), flat=False),
+    "resume": TableSpec(models.table_of(models.ResumeEvent), ("incarnation", "rank")),
 }
 
 
@@ -177,7 +179,7 @@ def _stored_hashes(
         return []
     table = spec.table
     key_columns = [table.c[name] for name in spec.key]
-    found = []
+    found: list[tuple[tuple[Any, ...], str]] = []
     # Bounded IN lists keep every backend's parameter limit out of reach.
     for start in range(0, len(keys), 500):
         chunk = keys[start : start + 500]
@@ -196,7 +198,7 @@ def _stored_hashes(
 def _ingest_run_starts(
     connection: Connection, run_id: int, indexed: list[tuple[int, RunStartIn]], result: IngestResult
 ) -> int:
-    table = models.Incarnation.__table__
+    table = models.table_of(models.Incarnation)
     stored = 0
     for index, record in indexed:
         row = record.model_dump(exclude={"kind", "time"})
@@ -229,7 +231,7 @@ def _ingest_run_finishes(
     indexed: list[tuple[int, RunFinishIn]],
     result: IngestResult,
 ) -> int:
-    table = models.Incarnation.__table__
+    table = models.table_of(models.Incarnation)
     stored = 0
     for index, record in indexed:
         digest = content_hash({"time": record.time, "status": record.status})
@@ -266,7 +268,7 @@ def _ingest_heartbeats(
             latest[key] = record
     if not latest:
         return 0
-    table = models.Heartbeat.__table__
+    table = models.table_of(models.Heartbeat)
     insert = dialect_insert(connection, table)
     statement = insert.on_conflict_do_update(
         index_elements=["run_id", "incarnation", "rank"],

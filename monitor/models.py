@@ -51,7 +51,8 @@ class Float64(TypeDecorator[float]):
         return _nan_to_text(value) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> float | None:
-        return _text_to_nan(value)
+        result: float | None = _text_to_nan(value)
+        return result
 
 
 def _nan_to_text(value: Any) -> Any:
@@ -319,3 +320,10 @@ class FindingRow(Base):
     message: Mapped[str] = mapped_column(sa.Text)
     evidence: Mapped[dict[str, Any] | None]
     created_at: Mapped[float]
+
+
+def table_of(model: type[Base]) -> sa.Table:
+    """A model's Core table, typed as one (``__table__`` is typed as a generic FromClause)."""
+    table = model.__table__
+    assert isinstance(table, sa.Table)
+    return table

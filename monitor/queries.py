@@ -13,12 +13,12 @@ from sqlalchemy.engine import Connection
 from monitor import models
 from monitor.tokens import new_token, token_digest
 
-RUN = models.Run.__table__
-SUMMARY = models.StepSummary.__table__
-INCIDENT = models.Incident.__table__
-FINDING = models.FindingRow.__table__
-STEP = models.StepRecord.__table__
-INCARNATION = models.Incarnation.__table__
+RUN = models.table_of(models.Run)
+SUMMARY = models.table_of(models.StepSummary)
+INCIDENT = models.table_of(models.Incident)
+FINDING = models.table_of(models.FindingRow)
+STEP = models.table_of(models.StepRecord)
+INCARNATION = models.table_of(models.Incarnation)
 
 
 class NotFound(LookupError):

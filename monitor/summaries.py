@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 
 from monitor import models
 
-SUMMARY = models.StepSummary.__table__
+SUMMARY = models.table_of(models.StepSummary)
 
 
 def _add(a: float | int | None, b: float | int | None) -> Any:
@@ -102,7 +102,8 @@ def fold_new_steps(connection: Connection, run_id: int, rows: Iterable[dict[str,
     if not grouped:
         return
     existing = _locked_summaries(connection, run_id, list(grouped))
-    inserts, updates = [], []
+    inserts: list[dict[str, Any]] = []
+    updates: list[dict[str, Any]] = []
     for key, records in grouped.items():
         summary = existing.get(key)
         target = summary if summary is not None else empty_summary(run_id, *key, records[0])
