@@ -9,7 +9,7 @@ live engine folds step records (``monitor.summaries.fold``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataF
     return table, notes
 
 
-def _series_points(rows: list[dict[str, Any]]) -> Iterator[StepPoint]:
+def _series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[StepPoint]:
     """Fold rows into one point per (incarnation, step) window, in first-seen order."""
     incarnation_number = 0
     last_incarnation_value: str | None = None
@@ -166,7 +166,9 @@ def _series_points(rows: list[dict[str, Any]]) -> Iterator[StepPoint]:
         fold(windows[key], record)
     seen: set[int] = set()
     for (number, _), summary in windows.items():
-        yield point_from_summary(summary, restart=number not in seen and number > 0)
+        point = point_from_summary(summary, restart=number not in seen and number > 0)
+        # A file has no attempt counter, and a missing skipped column is "not logged".
+        yield replace(point, attempt=None, skipped=point.skipped if has_skipped else None)
         seen.add(number)
 
 
@@ -201,7 +203,7 @@ def load_series(path: Path, mapping: Mapping[str, str], run: str | None) -> Load
     else:
         groups = [(run, table)]
     series = [
-        Series(name, tuple(_series_points(list(group.iter_rows(named=True)))))
+        Series(name, tuple(_series_points(list(group.iter_rows(named=True)), "skipped" in table.columns)))
         for name, group in groups
     ]
     return LoadedFile(series=series, notes=notes)

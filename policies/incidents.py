@@ -11,7 +11,20 @@ from policies.types import Finding, IncidentView
 INCIDENT_KIND_OF_FINDING = {
     "loss_spike": "spike",
     "grad_norm_spike": "spike",
+    "loss_level_shift": "level_shift",
+    "grad_norm_level_shift": "spike",
+    "skip_storm": "amp",
+    "loss_scale_collapse": "amp",
+    "lr_advanced_on_skip": "amp",
+    "schedule_restarted": "broken_resume",
+    "data_cursor_reset": "broken_resume",
+    "data_cursor_mismatch": "broken_resume",
+    "optimizer_state_lost": "broken_resume",
 }
+
+# An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
+# level shift. Each entry: (current kind, finding's incident kind) -> refined kind.
+REFINEMENTS = {("spike", "level_shift"): "level_shift"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,14 @@ def incident_kind(finding_kind: str) -> str:
     return INCIDENT_KIND_OF_FINDING.get(finding_kind, finding_kind)
 
 
+def _joins(incident_kind_now: str, finding_incident_kind: str) -> bool:
+    return (
+        incident_kind_now == finding_incident_kind
+        or (incident_kind_now, finding_incident_kind) in REFINEMENTS
+        or (finding_incident_kind, incident_kind_now) in REFINEMENTS
+    )
+
+
 def matching_incident(
     finding: Finding, open_incidents: Iterable[IncidentView], config: GroupingConfig
 ) -> IncidentView | None:
@@ -42,7 +63,7 @@ def matching_incident(
     near = [
         incident
         for incident in open_incidents
-        if incident.kind == kind
+        if _joins(incident.kind, kind)
         and incident.first_step - config.merge_gap
         <= finding.step
         <= incident.last_step + config.merge_gap
@@ -51,13 +72,14 @@ def matching_incident(
 
 
 def extend(incident: IncidentView, finding: Finding) -> IncidentView:
-    """The incident once this finding joins it: span, severity and count grow."""
+    """The incident once this finding joins it: span, severity, count and kind grow."""
     severity = (
         finding.severity if finding.severity.rank > incident.severity.rank else incident.severity
     )
+    kind = REFINEMENTS.get((incident.kind, incident_kind(finding.kind)), incident.kind)
     return IncidentView(
         key=incident.key,
-        kind=incident.kind,
+        kind=kind,
         severity=severity,
         first_step=min(incident.first_step, finding.step),
         last_step=max(incident.last_step, finding.step),

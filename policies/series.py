@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policies.continuity import ContinuityConfig, ContinuityState, lost_weights_detected, observe_continuity
 from policies.incidents import GroupingConfig
-from policies.nonfinite import NonfiniteConfig, nonfinite_findings
+from policies.normalization import NormalizationConfig, normalization_findings
+from policies.numerics import NumericsConfig, NumericsState, observe_numerics
 from policies.spike import SpikeConfig, SpikeState, observe_spike
 from policies.types import Finding, StepPoint
 
@@ -14,24 +16,44 @@ from policies.types import Finding, StepPoint
 class SeriesConfig:
     """Every step-level policy's config, nested; each documents its own defaults."""
 
-    nonfinite: NonfiniteConfig = field(default_factory=NonfiniteConfig)
     loss_spike: SpikeConfig = field(default_factory=SpikeConfig)
+    grad_norm_spike: SpikeConfig = field(default_factory=SpikeConfig.grad_norm)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
+    continuity: ContinuityConfig = field(default_factory=ContinuityConfig)
     grouping: GroupingConfig = field(default_factory=GroupingConfig)
 
 
 @dataclass(frozen=True)
 class SeriesState:
     loss_spike: SpikeState
+    grad_norm_spike: SpikeState
+    numerics: NumericsState = NumericsState()
+    continuity: ContinuityState = ContinuityState()
 
     @classmethod
     def empty(cls, config: SeriesConfig) -> SeriesState:
-        return cls(loss_spike=SpikeState.empty(config.loss_spike))
+        return cls(
+            loss_spike=SpikeState.empty(config.loss_spike),
+            grad_norm_spike=SpikeState.empty(config.grad_norm_spike),
+        )
 
 
 def observe_step(
     state: SeriesState, point: StepPoint, config: SeriesConfig
 ) -> tuple[SeriesState, tuple[Finding, ...]]:
     """Judge one step of the run; return the new state and what was found."""
-    findings = nonfinite_findings(point, config.nonfinite)
+    window = state.loss_spike.window
+    level_before = window.median() if len(window) else None
+    continuity, resumed = observe_continuity(state.continuity, point, level_before, config.continuity)
     loss_spike, spikes = observe_spike(state.loss_spike, point, "loss", config.loss_spike)
-    return SeriesState(loss_spike=loss_spike), findings + spikes
+    if lost_weights_detected(resumed):
+        # The jump is explained (the weights were not restored) and the old normal no longer
+        # describes this run: judge what follows against itself.
+        loss_spike, spikes = SpikeState.empty(config.loss_spike), ()
+    grad_norm_spike, grad_spikes = observe_spike(
+        state.grad_norm_spike, point, "grad_norm", config.grad_norm_spike
+    )
+    numerics, numeric = observe_numerics(state.numerics, point, config.numerics)
+    findings = numeric + resumed + spikes + grad_spikes + normalization_findings(point, config.normalization)
+    return SeriesState(loss_spike, grad_norm_spike, numerics, continuity), findings

@@ -45,6 +45,14 @@ class StepPoint:
     attempt: int | None = None
     # True on the first point of a new incarnation (the job was restarted or resumed here).
     restart: bool = False
+    consumed: int | None = None
+    ranks: int = 1
+    # For the loss-normalization audit: the mean of what the ranks reported (the loss they
+    # backpropagate), the naive mean of per-rank token means, and the token spread.
+    reported_loss: float | None = None
+    naive_loss: float | None = None
+    min_rank_tokens: int | None = None
+    max_rank_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class Finding:
     attempt: int | None = None
     rank: int | None = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    node: str | None = None
+    device: str | None = None
 
 
 @dataclass(frozen=True)

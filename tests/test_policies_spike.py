@@ -46,11 +46,60 @@ def test_relative_floor_governs_a_flat_series() -> None:
     assert len(judge(state, 2.101)) == 1
 
 
-def test_no_judgement_during_warm_up() -> None:
-    state = warmed(noisy(9))
-    state, found = observe_spike(state, StepPoint(step=9, loss=1000.0), "loss", CONFIG)
+def test_during_warm_up_only_a_gross_jump_is_judged() -> None:
+    state = warmed(noisy(9))  # median 2.0, cold threshold 2.0 * 1.3
+    state_after, found = observe_spike(state, StepPoint(step=9, loss=2.59), "loss", CONFIG)
     assert found == ()
-    assert len(state.window) == 10
+    assert len(state_after.window) == 10
+    (finding,) = observe_spike(state, StepPoint(step=9, loss=2.61), "loss", CONFIG)[1]
+    assert finding.evidence["warm"] is False
+    assert "cold-start" in finding.message
+
+
+def test_the_first_points_are_never_judged() -> None:
+    state = SpikeState.empty(CONFIG)
+    state, found = observe_spike(state, StepPoint(step=0, loss=2.0), "loss", CONFIG)
+    assert found == ()
+    state, found = observe_spike(state, StepPoint(step=1, loss=90.0), "loss", CONFIG)
+    assert found == ()  # one point is no baseline (cold_min_points=2)
+
+
+def test_a_jump_that_stays_up_becomes_a_level_shift_then_a_new_normal() -> None:
+    state = warmed(noisy(20))
+    kinds = []
+    for step in range(100, 100 + CONFIG.shift_after):
+        state, found = observe_spike(state, StepPoint(step=step, loss=4.0), "loss", CONFIG)
+        kinds.append([f.kind for f in found])
+    assert kinds[:-1] == [["loss_spike"]] * (CONFIG.shift_after - 1)
+    assert kinds[-1] == ["loss_spike", "loss_level_shift"]
+    shift = found[1]
+    assert shift.step == 100  # the first affected step, not the step of detection
+    assert shift.evidence["detected_at"] == 100 + CONFIG.shift_after - 1
+    # the new level is normal now: staying at 4.0 raises nothing
+    state, found = observe_spike(state, StepPoint(step=200, loss=4.0), "loss", CONFIG)
+    assert found == ()
+
+
+def test_a_transient_spike_resets_the_run_of_flags() -> None:
+    state = warmed(noisy(20))
+    for step in range(100, 100 + CONFIG.shift_after - 1):
+        state, _ = observe_spike(state, StepPoint(step=step, loss=4.0), "loss", CONFIG)
+    state, _ = observe_spike(state, StepPoint(step=150, loss=2.0), "loss", CONFIG)
+    assert state.flagged == ()
+
+
+def test_log_scale_judges_ratios() -> None:
+    config = SpikeConfig.grad_norm()
+    state = SpikeState.empty(config)
+    for step in range(60):
+        state, _ = observe_spike(
+            state, StepPoint(step=step, grad_norm=1.0 + 0.05 * (step % 3)), "grad_norm", config
+        )
+    assert observe_spike(state, StepPoint(step=60, grad_norm=3.9), "grad_norm", config)[1] == ()
+    (finding,) = observe_spike(state, StepPoint(step=60, grad_norm=4.5), "grad_norm", config)[1]
+    assert finding.kind == "grad_norm_spike"
+    assert finding.threshold == pytest.approx(4.2, rel=0.05)
+    assert observe_spike(state, StepPoint(step=60, grad_norm=0.0), "grad_norm", config)[1] == ()
 
 
 def test_missing_and_nonfinite_values_are_left_to_other_policies() -> None:
@@ -95,3 +144,5 @@ def test_config_rejects_nonsense(kwargs: dict) -> None:
 def test_authored_preset_is_median_plus_three_sigma_over_fifty() -> None:
     authored = SpikeConfig.authored()
     assert (authored.window, authored.warmup, authored.z, authored.min_relative) == (50, 50, 3.0, 0.0)
+    state = warmed(noisy(49), authored)
+    assert observe_spike(state, StepPoint(step=49, loss=1e6), "loss", authored)[1] == ()

@@ -1,0 +1,240 @@
+"""Resume continuity: did a restart continue the run, or quietly start a different one?
+
+The reference text's opening story: the weights survived, but the learning rate restarted
+its warm-up and the data cursor went back to zero. Two sources of evidence:
+
+- the series alone (``observe_continuity``): right after a restart, a loss that jumps back
+  toward the run's untrained level means the weights were not restored; a learning rate
+  back at its warm-up value means the schedule restarted; a data cursor far behind where the
+  run was means the loader restarted.
+- a resume record (``resume_findings``): what the trainer restored, compared with the
+  checkpoint boundary it claims and with what the previous incarnation did next.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.types import Finding, Severity, StepPoint
+
+
+@dataclass(frozen=True)
+class ContinuityConfig:
+    """Thresholds of the continuity checks.
+
+    - ``untrained_fraction`` 0.5: the first window after a restart is back at least half way
+      from the pre-restart level to the untrained level (the median of the run's first 5
+      windows). A run restored correctly continues within its noise (the Pythia control's
+      five restarts move the loss by under 1% of that gap); one restored without weights
+      lands at the untrained level (fraction ~1).
+    - ``min_progress`` 10%: the check needs the run to have trained (its loss at least 10%
+      below the untrained level), else there is nothing to lose.
+    - ``warmup_lr_ratio`` 2 and ``trained_lr_ratio`` 4: the learning rate after the restart
+      is within 2x of the run's first (warm-up) value while before it was at least 4x that:
+      a warm-up from lr/100 or from 0 clears both by far.
+    - ``cursor_fraction`` 0.5: the consumed-example count after a restart is below half of
+      what it was, while the optimizer step is not (a real rollback moves both together).
+    - ``lr_relative_tolerance`` 1%: a restored learning rate further than this from what the
+      previous incarnation used at the next step did not continue its phase.
+    """
+
+    initial_points: int = 5
+    untrained_fraction: float = 0.5
+    min_progress: float = 0.10
+    warmup_lr_ratio: float = 2.0
+    trained_lr_ratio: float = 4.0
+    cursor_fraction: float = 0.5
+    lr_relative_tolerance: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.initial_points < 1 or not 0 < self.untrained_fraction <= 1:
+            raise ValueError("ContinuityConfig: initial_points >= 1, 0 < untrained_fraction <= 1")
+        if self.warmup_lr_ratio >= self.trained_lr_ratio:
+            raise ValueError("ContinuityConfig: warmup_lr_ratio must be below trained_lr_ratio")
+        if not 0 < self.cursor_fraction < 1 or self.lr_relative_tolerance < 0:
+            raise ValueError("ContinuityConfig: 0 < cursor_fraction < 1, lr_relative_tolerance >= 0")
+
+
+@dataclass(frozen=True)
+class ContinuityState:
+    initial_losses: tuple[float, ...] = ()
+    first_lr: float | None = None
+    previous: StepPoint | None = None
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _finding(point: StepPoint, kind: str, signal: str, value: float | None, threshold: float | None,
+             message: str, **evidence: Any) -> Finding:
+    return Finding(
+        step=point.step, kind=kind, severity=Severity.CRITICAL, signal=signal, value=value,
+        threshold=threshold, message=message, incarnation=point.incarnation,
+        attempt=point.attempt, evidence=evidence,
+    )
+
+
+def observe_continuity(
+    state: ContinuityState, point: StepPoint, level_before: float | None, config: ContinuityConfig
+) -> tuple[ContinuityState, tuple[Finding, ...]]:
+    """Judge a restart's first window; ``level_before`` is the loss level the run had reached."""
+    initial = state.initial_losses
+    if len(initial) < config.initial_points and _finite(point.loss) and not point.restart:
+        initial = (*initial, point.loss)  # type: ignore[arg-type]
+    first_lr = state.first_lr if state.first_lr is not None else (point.lr if _finite(point.lr) and point.lr else None)
+    found: tuple[Finding, ...] = ()
+    if point.restart and state.previous is not None:
+        found = (
+            _lost_weights(point, initial, level_before, config)
+            + _restarted_schedule(point, state.previous, first_lr, config)
+            + _reset_cursor(point, state.previous, config)
+        )
+    return ContinuityState(initial_losses=initial, first_lr=first_lr, previous=point), found
+
+
+def lost_weights_detected(findings: Sequence[Finding]) -> bool:
+    return any(f.kind == "broken_resume" for f in findings)
+
+
+def _lost_weights(point: StepPoint, initial: tuple[float, ...], level_before: float | None,
+                  config: ContinuityConfig) -> tuple[Finding, ...]:
+    if not initial or level_before is None or not _finite(point.loss):
+        return ()
+    untrained = _median(initial)
+    gap = untrained - level_before
+    if gap < config.min_progress * abs(untrained):
+        return ()
+    back = (point.loss - level_before) / gap  # type: ignore[operator]
+    if back < config.untrained_fraction:
+        return ()
+    return (
+        _finding(point, "broken_resume", "loss", point.loss, level_before + config.untrained_fraction * gap,
+                 f"after the restart at step {point.step} the loss is {point.loss:.4g}, {back:.0%} of the "
+                 f"way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
+                 "not restored", untrained=untrained, level_before=level_before, fraction=back),
+    )
+
+
+def _restarted_schedule(point: StepPoint, previous: StepPoint, first_lr: float | None,
+                        config: ContinuityConfig) -> tuple[Finding, ...]:
+    if first_lr is None or not (_finite(point.lr) and _finite(previous.lr)):
+        return ()
+    assert point.lr is not None and previous.lr is not None
+    if previous.lr < config.trained_lr_ratio * first_lr or point.lr > config.warmup_lr_ratio * first_lr:
+        return ()
+    return (
+        _finding(point, "schedule_restarted", "lr", point.lr, previous.lr,
+                 f"the learning rate fell from {previous.lr:.4g} to {point.lr:.4g} at the restart "
+                 f"(step {point.step}), back to its warm-up value {first_lr:.4g}: the scheduler "
+                 "state was not restored", first_lr=first_lr),
+    )
+
+
+def _reset_cursor(point: StepPoint, previous: StepPoint, config: ContinuityConfig) -> tuple[Finding, ...]:
+    if point.consumed is None or previous.consumed is None or previous.consumed <= 0:
+        return ()
+    cursor_back = point.consumed < config.cursor_fraction * previous.consumed
+    step_kept = point.step >= config.cursor_fraction * previous.step
+    if not (cursor_back and step_kept):
+        return ()
+    return (
+        _finding(point, "data_cursor_reset", "consumed", float(point.consumed), float(previous.consumed),
+                 f"the data cursor went from {previous.consumed} to {point.consumed} consumed examples "
+                 f"at the restart while the step went {previous.step} -> {point.step}: the loader "
+                 "restarted instead of resuming"),
+    )
+
+
+@dataclass(frozen=True)
+class ResumeFacts:
+    """What a restart restored on one rank (a resume record's ``restored`` dict, typed)."""
+
+    incarnation: str
+    rank: int
+    checkpoint_step: int | None
+    optimizer_step: int | None = None
+    exp_avg_norm: float | None = None
+    exp_avg_sq_norm: float | None = None
+    lr: float | None = None
+    scheduler_last_epoch: int | None = None
+    consumed: int | None = None
+    first_sample_ids: tuple[Any, ...] | None = None
+
+    @classmethod
+    def from_record(cls, incarnation: str, rank: int, checkpoint_step: int | None,
+                    restored: Mapping[str, Any]) -> ResumeFacts:
+        ids = restored.get("first_sample_ids")
+        return cls(
+            incarnation=incarnation, rank=rank, checkpoint_step=checkpoint_step,
+            optimizer_step=restored.get("optimizer_step"), exp_avg_norm=restored.get("exp_avg_norm"),
+            exp_avg_sq_norm=restored.get("exp_avg_sq_norm"), lr=restored.get("lr"),
+            scheduler_last_epoch=restored.get("scheduler_last_epoch"), consumed=restored.get("consumed"),
+            first_sample_ids=tuple(ids) if ids is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the checkpoint and the previous incarnation say the resume should restore."""
+
+    step: int
+    consumed: int | None = None
+    next_lr: float | None = None
+    """The learning rate the previous incarnation used for the window after ``step``."""
+    next_sample_ids: tuple[Any, ...] | None = None
+    """The sample ids this rank saw in the window after ``step``, before the restart."""
+
+
+def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityConfig) -> tuple[Finding, ...]:
+    point = StepPoint(step=expected.step, incarnation=facts.incarnation)
+    problems: list[tuple[str, str, float | None, float | None, str]] = []
+    if expected.step > 0:
+        if facts.optimizer_step == 0:
+            problems.append(("optimizer_state_lost", "optimizer_step", 0.0, float(expected.step),
+                             f"optimizer step counter restored as 0 for a checkpoint at step {expected.step}"))
+        zero_moments = [n for n in ("exp_avg_norm", "exp_avg_sq_norm") if getattr(facts, n) == 0]
+        if zero_moments:
+            problems.append(("optimizer_state_lost", zero_moments[0], 0.0, None,
+                             f"Adam moments restored with zero norm ({', '.join(zero_moments)})"))
+        if facts.scheduler_last_epoch == 0:
+            problems.append(("schedule_restarted", "scheduler_last_epoch", 0.0, float(expected.step),
+                             "scheduler restored at epoch 0: warm-up starts over"))
+    if expected.consumed is not None and facts.consumed is not None and facts.consumed != expected.consumed:
+        kind = "data_cursor_reset" if facts.consumed == 0 else "data_cursor_mismatch"
+        problems.append((kind, "consumed", float(facts.consumed), float(expected.consumed),
+                         f"data cursor restored at {facts.consumed} consumed examples; the checkpoint "
+                         f"says {expected.consumed}"))
+    if expected.next_lr is not None and _finite(facts.lr) and expected.next_lr > 0:
+        assert facts.lr is not None
+        if abs(facts.lr - expected.next_lr) > config.lr_relative_tolerance * expected.next_lr:
+            problems.append(("schedule_restarted", "lr", facts.lr, expected.next_lr,
+                             f"learning rate restored as {facts.lr:.6g}; the run used {expected.next_lr:.6g} "
+                             "after this checkpoint"))
+    if (expected.next_sample_ids is not None and facts.first_sample_ids is not None
+            and facts.first_sample_ids != expected.next_sample_ids[: len(facts.first_sample_ids)]):
+        problems.append(("data_cursor_mismatch", "sample_ids", None, None,
+                         f"first samples after the resume {list(facts.first_sample_ids)[:4]} are not the "
+                         f"ones that followed the checkpoint {list(expected.next_sample_ids)[:4]}"))
+    return tuple(
+        Finding(step=expected.step + 1, kind=kind, severity=Severity.CRITICAL, signal=signal, value=value,
+                threshold=threshold, message=f"rank {facts.rank}: {message}", incarnation=facts.incarnation,
+                rank=facts.rank, evidence={"checkpoint_step": expected.step})
+        for kind, signal, value, threshold, message in problems
+    )
+
+
+__all__ = [
+    "ContinuityConfig", "ContinuityState", "Expected", "ResumeFacts", "lost_weights_detected",
+    "observe_continuity", "resume_findings",
+]
+
