@@ -46,9 +46,7 @@ def bearer(request: Request) -> str:
 async def read_limited(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(
-            413, "too_large", f"batch of {declared} bytes is over the {limit}-byte limit"
-        )
+        raise ApiError(413, "too_large", f"batch of {declared} bytes is over the {limit}-byte limit")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -93,9 +91,7 @@ def validate_batch(raw: bytes, max_records: int) -> BatchIn:
             problems=problems,
         ) from exc
     if len(batch.records) > max_records:
-        raise ApiError(
-            413, "too_large", f"{len(batch.records)} records is over the limit of {max_records}"
-        )
+        raise ApiError(413, "too_large", f"{len(batch.records)} records is over the limit of {max_records}")
     return batch
 
 
@@ -194,9 +190,7 @@ def create_app(service: Service) -> FastAPI:
     def list_findings(run: str, request: Request) -> Response:
         run_id = require_run(request, run)
         with service.engine.connect() as connection:
-            return json_response(
-                {"run": run, "findings": queries.list_findings(connection, run_id)}
-            )
+            return json_response({"run": run, "findings": queries.list_findings(connection, run_id)})
 
     @app.get("/v1/runs/{run}/incidents")
     def list_incidents(run: str, request: Request) -> Response:

@@ -90,16 +90,12 @@ def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
         converted = raw.cast(pl.Float64, strict=False)
         bad = raw.is_not_null() & converted.is_null()
         if dtype == pl.Int64 and not bad.any():
-            integral = converted.is_null() | (
-                converted.is_finite() & (converted.round(0) == converted)
-            )
+            integral = converted.is_null() | (converted.is_finite() & (converted.round(0) == converted))
             bad = ~integral
             converted = converted.cast(pl.Int64, strict=False)
     if bad.any():
         row = int(bad.arg_true()[0])
-        raise BacktestError(
-            f"column {name!r}, row {row + 1}: {raw[row]!r} is not a valid {dtype} value"
-        )
+        raise BacktestError(f"column {name!r}, row {row + 1}: {raw[row]!r} is not a valid {dtype} value")
     return converted
 
 
@@ -147,9 +143,7 @@ def _series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[St
         value = row.get("incarnation")
         step = row["step"]
         restarted = bool(row.get("restart")) or (
-            value is not None
-            and last_incarnation_value is not None
-            and value != last_incarnation_value
+            value is not None and last_incarnation_value is not None and value != last_incarnation_value
         )
         rewound = rank in last_step_of_rank and step < last_step_of_rank[rank]
         if (restarted or rewound) and windows:

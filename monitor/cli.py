@@ -40,9 +40,7 @@ out = Console(soft_wrap=True)
 
 DbOption = Annotated[
     str | None,
-    typer.Option(
-        "--db", help="SQLAlchemy URL or SQLite path (default: $RUNHEALTH_DB, else ./runhealth.db)"
-    ),
+    typer.Option("--db", help="SQLAlchemy URL or SQLite path (default: $RUNHEALTH_DB, else ./runhealth.db)"),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
 
@@ -104,9 +102,7 @@ def parse_time(text: str | None) -> float | None:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError as exc:
-        raise UserError(
-            f"not a time: {text!r} (use ISO 8601, epoch seconds, or 30m/2h/7d)"
-        ) from exc
+        raise UserError(f"not a time: {text!r} (use ISO 8601, epoch seconds, or 30m/2h/7d)") from exc
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
@@ -216,15 +212,11 @@ def runs_create(name: str, db: DbOption = None, as_json: JsonOption = False) -> 
 def incidents(
     db: DbOption = None,
     run: Annotated[str | None, typer.Option(help="Only this run.")] = None,
-    kind: Annotated[
-        str | None, typer.Option(help="Only this kind (spike, nonfinite, ...).")
-    ] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind (spike, nonfinite, ...).")] = None,
     severity: Annotated[str | None, typer.Option(help="info, warning or critical.")] = None,
     status: Annotated[str | None, typer.Option(help="open or resolved.")] = None,
     node: Annotated[str | None, typer.Option(help="Only incidents involving this node.")] = None,
-    since: Annotated[
-        str | None, typer.Option(help="Opened at or after (ISO, epoch, or 2h).")
-    ] = None,
+    since: Annotated[str | None, typer.Option(help="Opened at or after (ISO, epoch, or 2h).")] = None,
     until: Annotated[str | None, typer.Option(help="Opened at or before.")] = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -325,9 +317,7 @@ def _num(value: float | None) -> str:
 @app.command("backtest")
 def backtest_command(
     file: Path,
-    run: Annotated[
-        str | None, typer.Option(help="Only this run (when the file has a run column).")
-    ] = None,
+    run: Annotated[str | None, typer.Option(help="Only this run (when the file has a run column).")] = None,
     column: Annotated[
         list[str] | None,
         typer.Option(help="Map a column of the file to a field: SRC=FIELD (repeatable)."),
@@ -360,8 +350,7 @@ def backtest_command(
     out.print(
         table(
             "Incidents",
-            (["run"] if several else [])
-            + ["id", "kind", "severity", "first step", "last step", "summary"],
+            (["run"] if several else []) + ["id", "kind", "severity", "first step", "last step", "summary"],
             [
                 ([i["run"]] if several else [])
                 + [i["id"], i["kind"], i["severity"], i["first_step"], i["last_step"], i["summary"]]
@@ -397,9 +386,7 @@ def export(
 def demo(
     db: Annotated[
         str | None,
-        typer.Option(
-            "--db", help="Store for the demo (default: a new file under ./runhealth-demo/)."
-        ),
+        typer.Option("--db", help="Store for the demo (default: a new file under ./runhealth-demo/)."),
     ] = None,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
     corrupt_step: Annotated[int, typer.Option(help="The step whose batch is corrupted.")] = 200,

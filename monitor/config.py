@@ -51,9 +51,7 @@ class ServiceConfig:
             db=db or environ.get("RUNHEALTH_DB") or None,
             admin_token=environ.get("RUNHEALTH_ADMIN_TOKEN") or None,
             ingest=IngestConfig(
-                max_batch_bytes=_int(
-                    environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes
-                ),
+                max_batch_bytes=_int(environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes),
                 max_batch_records=_int(
                     environ, "RUNHEALTH_MAX_BATCH_RECORDS", IngestConfig.max_batch_records
                 ),

@@ -46,9 +46,7 @@ def corpus_text() -> str:
     """Real text that every Python installation carries: the json and email packages' source."""
     import email
 
-    files = sorted(Path(json.__file__).parent.glob("*.py")) + sorted(
-        Path(email.__file__).parent.glob("*.py")
-    )
+    files = sorted(Path(json.__file__).parent.glob("*.py")) + sorted(Path(email.__file__).parent.glob("*.py"))
     return "".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
 
 
@@ -168,9 +166,7 @@ def run_demo(config: DemoConfig, console: Console, quiet: bool = False) -> dict[
     )
     with (
         BackgroundServer(service) as server,
-        httpx.Client(
-            base_url=server.url, headers={"authorization": f"Bearer {token}"}, timeout=30
-        ) as client,
+        httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {token}"}, timeout=30) as client,
     ):
         pending: list[dict[str, Any]] = [
             {

@@ -99,9 +99,7 @@ class PolicyEngine:
                 touched.extend(self._record(connection, run_id, findings))
             if ready:
                 connection.execute(
-                    SUMMARY.update()
-                    .where(SUMMARY.c.id.in_([s["id"] for s in ready]))
-                    .values(judged=True)
+                    SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in ready])).values(judged=True)
                 )
             return sorted(set(touched))
 
@@ -179,15 +177,11 @@ class PolicyEngine:
             seen = max(s["ranks_reported"] for s in summaries)
             state.world_size[incarnation] = max(state.world_size.get(incarnation, 1), seen)
 
-    def _record(
-        self, connection: Connection, run_id: int, findings: Sequence[Finding]
-    ) -> list[int]:
+    def _record(self, connection: Connection, run_id: int, findings: Sequence[Finding]) -> list[int]:
         touched = []
         for finding in findings:
             incident_id = self._attach(connection, run_id, finding)
-            connection.execute(
-                FINDING.insert(), finding_row(run_id, incident_id, finding, self._clock())
-            )
+            connection.execute(FINDING.insert(), finding_row(run_id, incident_id, finding, self._clock()))
             touched.append(incident_id)
         return touched
 
@@ -247,9 +241,7 @@ def _view(row: Any) -> IncidentView:
     )
 
 
-def finding_row(
-    run_id: int, incident_id: int | None, finding: Finding, now: float
-) -> dict[str, Any]:
+def finding_row(run_id: int, incident_id: int | None, finding: Finding, now: float) -> dict[str, Any]:
     return {
         "run_id": run_id,
         "incident_id": incident_id,

@@ -30,10 +30,7 @@ def _frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     # Lists and dicts (sample ids, evidence) become JSON text: one flat table, any tool.
     from monitor.floats import dumps_str
 
-    flat = [
-        {k: dumps_str(v) if isinstance(v, dict | list) else v for k, v in row.items()}
-        for row in rows
-    ]
+    flat = [{k: dumps_str(v) if isinstance(v, dict | list) else v for k, v in row.items()} for row in rows]
     return pl.DataFrame(flat, infer_schema_length=None, nan_to_null=False)
 
 
@@ -47,7 +44,5 @@ def write_export(connection: Connection, run: str, what: str, output: Path) -> i
         # NaN stays "NaN" and an empty cell stays "not logged", as backtest reads them.
         frame.write_csv(output, float_precision=None)
     else:
-        raise ValueError(
-            f"{output}: the file name must end in .parquet or .csv"
-        )  # checked by the CLI
+        raise ValueError(f"{output}: the file name must end in .parquet or .csv")  # checked by the CLI
     return frame.height

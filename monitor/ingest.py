@@ -7,7 +7,7 @@ content raises ``ConflictError`` and the caller's transaction rolls the whole ba
 from __future__ import annotations
 
 import hashlib
-import pickle
+import marshal
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,9 +45,7 @@ class TableSpec:
 
 KEYED_TABLES: dict[str, TableSpec] = {
     "step": TableSpec(models.table_of(models.StepRecord), ("incarnation", "rank", "attempt")),
-    "device_sample": TableSpec(
-        models.table_of(models.DeviceSample), ("node", "device_uuid", "seq")
-    ),
+    "device_sample": TableSpec(models.table_of(models.DeviceSample), ("node", "device_uuid", "seq")),
     "link_sample": TableSpec(models.table_of(models.LinkSample), ("node", "device", "port", "seq")),
     "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), ("path",), flat=False),
     "resume": TableSpec(models.table_of(models.ResumeEvent), ("incarnation", "rank")),
@@ -72,13 +70,12 @@ def content_hash(row: dict[str, Any]) -> str:
     is canonical; only free-form dicts need sorting.
     """
     values = tuple(
-        orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS)
-        if isinstance(value, dict)
-        else value
+        orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS) if isinstance(value, dict) else value
         for value in row.values()
     )
-    # pickle keeps float bits (NaN is not None) and is fast; protocol pinned for stability.
-    return hashlib.blake2b(pickle.dumps(values, protocol=5), digest_size=16).hexdigest()
+    # marshal keeps float bits (NaN is not None) and is fast; version 2 has no object
+    # references, so equal content gives equal bytes however the objects are shared.
+    return hashlib.blake2b(marshal.dumps(values, 2), digest_size=16).hexdigest()
 
 
 def dialect_insert(connection: Connection, table: sa.Table) -> Any:
@@ -87,9 +84,7 @@ def dialect_insert(connection: Connection, table: sa.Table) -> Any:
     return sqlite.insert(table)
 
 
-def ingest_batch(
-    connection: Connection, run_id: int, records: Sequence[Any], now: float
-) -> IngestResult:
+def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], now: float) -> IngestResult:
     """Store one batch inside the caller's transaction; raise ``ConflictError`` on conflict."""
     result = IngestResult()
     by_kind: dict[str, list[tuple[int, Any]]] = defaultdict(list)
@@ -156,9 +151,7 @@ def _row_of(record: Any, spec: TableSpec) -> dict[str, Any]:
     return row
 
 
-def _insert_new(
-    connection: Connection, spec: TableSpec, rows: list[dict[str, Any]]
-) -> set[tuple[Any, ...]]:
+def _insert_new(connection: Connection, spec: TableSpec, rows: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
     """Insert the rows whose key is not stored yet; return the keys that were inserted."""
     if not rows:
         return set()
@@ -188,9 +181,7 @@ def _stored_hashes(
             if len(key_columns) == 1
             else sa.tuple_(*key_columns).in_(chunk)
         )
-        query = sa.select(*key_columns, table.c.content_hash).where(
-            table.c.run_id == run_id, condition
-        )
+        query = sa.select(*key_columns, table.c.content_hash).where(table.c.run_id == run_id, condition)
         found.extend((tuple(row[:-1]), row[-1]) for row in connection.execute(query))
     return found
 
@@ -257,9 +248,7 @@ def _ingest_run_finishes(
     return stored
 
 
-def _ingest_heartbeats(
-    connection: Connection, run_id: int, records: list[HeartbeatIn], now: float
-) -> int:
+def _ingest_heartbeats(connection: Connection, run_id: int, records: list[HeartbeatIn], now: float) -> int:
     """Keep each rank's newest heartbeat; an older one arriving late changes nothing."""
     latest: dict[tuple[str, int], HeartbeatIn] = {}
     for record in records:

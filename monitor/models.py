@@ -103,9 +103,7 @@ class StepRecord(Base):
     __tablename__ = "step_records"
     __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank", "attempt"),)
 
-    id: Mapped[int] = mapped_column(
-        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
-    )
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     incarnation: Mapped[str] = mapped_column(sa.String(64))
     rank: Mapped[int]
@@ -145,9 +143,7 @@ class StepSummary(Base):
         sa.Index("ix_step_summaries_run_judged", "run_id", "judged"),
     )
 
-    id: Mapped[int] = mapped_column(
-        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
-    )
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     incarnation: Mapped[str] = mapped_column(sa.String(64))
     attempt: Mapped[int]
@@ -193,9 +189,7 @@ class DeviceSample(Base):
     __tablename__ = "device_samples"
     __table_args__ = (sa.UniqueConstraint("run_id", "node", "device_uuid", "seq"),)
 
-    id: Mapped[int] = mapped_column(
-        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
-    )
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     node: Mapped[str] = mapped_column(sa.String(200))
     device_uuid: Mapped[str] = mapped_column(sa.String(100))
@@ -220,9 +214,7 @@ class LinkSample(Base):
     __tablename__ = "link_samples"
     __table_args__ = (sa.UniqueConstraint("run_id", "node", "device", "port", "seq"),)
 
-    id: Mapped[int] = mapped_column(
-        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
-    )
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     node: Mapped[str] = mapped_column(sa.String(200))
     device: Mapped[str] = mapped_column(sa.String(100))
@@ -301,9 +293,7 @@ class FindingRow(Base):
     __tablename__ = "findings"
     __table_args__ = (sa.Index("ix_findings_run_step", "run_id", "step"),)
 
-    id: Mapped[int] = mapped_column(
-        sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True
-    )
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     incident_id: Mapped[int | None] = mapped_column(
         sa.ForeignKey("incidents.id", ondelete="SET NULL"), index=True

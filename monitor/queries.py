@@ -95,11 +95,7 @@ def list_steps(
 
 def _step_view(row: Any) -> dict[str, Any]:
     tokens, loss_sum = row["tokens"], row["loss_sum"]
-    reported = (
-        row["reported_loss_sum"] / row["reported_loss_count"]
-        if row["reported_loss_count"]
-        else None
-    )
+    reported = row["reported_loss_sum"] / row["reported_loss_count"] if row["reported_loss_count"] else None
     return {
         "incarnation": row["incarnation"],
         "attempt": row["attempt"],
@@ -129,9 +125,7 @@ class IncidentFilter:
     until: float | None = None
 
 
-def list_incidents(
-    connection: Connection, where: IncidentFilter, limit: int = 1000
-) -> list[dict[str, Any]]:
+def list_incidents(connection: Connection, where: IncidentFilter, limit: int = 1000) -> list[dict[str, Any]]:
     query = sa.select(INCIDENT, RUN.c.name.label("run")).join(RUN, RUN.c.id == INCIDENT.c.run_id)
     if where.run is not None:
         query = query.where(RUN.c.name == where.run)
@@ -145,9 +139,7 @@ def list_incidents(
         query = query.where(INCIDENT.c.opened_at >= where.since)
     if where.until is not None:
         query = query.where(INCIDENT.c.opened_at <= where.until)
-    rows = [
-        incident_view(row) for row in connection.execute(query.order_by(INCIDENT.c.id)).mappings()
-    ]
+    rows = [incident_view(row) for row in connection.execute(query.order_by(INCIDENT.c.id)).mappings()]
     if where.node is not None:
         # Nodes are a small JSON list per incident; filtering here keeps the query portable.
         rows = [row for row in rows if where.node in row["nodes"]]

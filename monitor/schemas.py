@@ -149,14 +149,7 @@ class ResumeIn(_Record):
 
 
 RecordIn = Annotated[
-    StepIn
-    | HeartbeatIn
-    | RunStartIn
-    | RunFinishIn
-    | DeviceSampleIn
-    | LinkSampleIn
-    | CheckpointIn
-    | ResumeIn,
+    StepIn | HeartbeatIn | RunStartIn | RunFinishIn | DeviceSampleIn | LinkSampleIn | CheckpointIn | ResumeIn,
     Field(discriminator="kind"),
 ]
 
@@ -181,6 +174,4 @@ class BatchIn(BaseModel):
 class RunCreateIn(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    name: Annotated[
-        str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-    ]
+    name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]

@@ -64,9 +64,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_server(service: Service, log_level: str = "warning") -> uvicorn.Server:
-    config = uvicorn.Config(
-        create_app(service), log_level=log_level, access_log=False, lifespan="off"
-    )
+    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False, lifespan="off")
     return uvicorn.Server(config)
 
 
@@ -78,9 +76,7 @@ class BackgroundServer:
         self.port = int(self.sock.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
         self.server = uvicorn_server(service)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> BackgroundServer:
         self.thread.start()

@@ -69,9 +69,7 @@ def fold(summary: dict[str, Any], record: dict[str, Any]) -> None:
         summary["late_records"] += 1
 
 
-def empty_summary(
-    run_id: int, incarnation: str, attempt: int, record: dict[str, Any]
-) -> dict[str, Any]:
+def empty_summary(run_id: int, incarnation: str, attempt: int, record: dict[str, Any]) -> dict[str, Any]:
     return {
         "run_id": run_id,
         "incarnation": incarnation,

@@ -75,12 +75,26 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
-def _finding(point: StepPoint, kind: str, signal: str, value: float | None, threshold: float | None,
-             message: str, **evidence: Any) -> Finding:
+def _finding(
+    point: StepPoint,
+    kind: str,
+    signal: str,
+    value: float | None,
+    threshold: float | None,
+    message: str,
+    **evidence: Any,
+) -> Finding:
     return Finding(
-        step=point.step, kind=kind, severity=Severity.CRITICAL, signal=signal, value=value,
-        threshold=threshold, message=message, incarnation=point.incarnation,
-        attempt=point.attempt, evidence=evidence,
+        step=point.step,
+        kind=kind,
+        severity=Severity.CRITICAL,
+        signal=signal,
+        value=value,
+        threshold=threshold,
+        message=message,
+        incarnation=point.incarnation,
+        attempt=point.attempt,
+        evidence=evidence,
     )
 
 
@@ -91,7 +105,11 @@ def observe_continuity(
     initial = state.initial_losses
     if len(initial) < config.initial_points and _finite(point.loss) and not point.restart:
         initial = (*initial, point.loss)  # type: ignore[arg-type]
-    first_lr = state.first_lr if state.first_lr is not None else (point.lr if _finite(point.lr) and point.lr else None)
+    first_lr = (
+        state.first_lr
+        if state.first_lr is not None
+        else (point.lr if _finite(point.lr) and point.lr else None)
+    )
     found: tuple[Finding, ...] = ()
     if point.restart and state.previous is not None:
         found = (
@@ -106,8 +124,12 @@ def lost_weights_detected(findings: Sequence[Finding]) -> bool:
     return any(f.kind == "broken_resume" for f in findings)
 
 
-def _lost_weights(point: StepPoint, initial: tuple[float, ...], level_before: float | None,
-                  config: ContinuityConfig) -> tuple[Finding, ...]:
+def _lost_weights(
+    point: StepPoint,
+    initial: tuple[float, ...],
+    level_before: float | None,
+    config: ContinuityConfig,
+) -> tuple[Finding, ...]:
     if not initial or level_before is None or not _finite(point.loss):
         return ()
     untrained = _median(initial)
@@ -118,25 +140,42 @@ def _lost_weights(point: StepPoint, initial: tuple[float, ...], level_before: fl
     if back < config.untrained_fraction:
         return ()
     return (
-        _finding(point, "broken_resume", "loss", point.loss, level_before + config.untrained_fraction * gap,
-                 f"after the restart at step {point.step} the loss is {point.loss:.4g}, {back:.0%} of the "
-                 f"way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
-                 "not restored", untrained=untrained, level_before=level_before, fraction=back),
+        _finding(
+            point,
+            "broken_resume",
+            "loss",
+            point.loss,
+            level_before + config.untrained_fraction * gap,
+            f"after the restart at step {point.step} the loss is {point.loss:.4g}, {back:.0%} of the "
+            f"way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
+            "not restored",
+            untrained=untrained,
+            level_before=level_before,
+            fraction=back,
+        ),
     )
 
 
-def _restarted_schedule(point: StepPoint, previous: StepPoint, first_lr: float | None,
-                        config: ContinuityConfig) -> tuple[Finding, ...]:
+def _restarted_schedule(
+    point: StepPoint, previous: StepPoint, first_lr: float | None, config: ContinuityConfig
+) -> tuple[Finding, ...]:
     if first_lr is None or not (_finite(point.lr) and _finite(previous.lr)):
         return ()
     assert point.lr is not None and previous.lr is not None
     if previous.lr < config.trained_lr_ratio * first_lr or point.lr > config.warmup_lr_ratio * first_lr:
         return ()
     return (
-        _finding(point, "schedule_restarted", "lr", point.lr, previous.lr,
-                 f"the learning rate fell from {previous.lr:.4g} to {point.lr:.4g} at the restart "
-                 f"(step {point.step}), back to its warm-up value {first_lr:.4g}: the scheduler "
-                 "state was not restored", first_lr=first_lr),
+        _finding(
+            point,
+            "schedule_restarted",
+            "lr",
+            point.lr,
+            previous.lr,
+            f"the learning rate fell from {previous.lr:.4g} to {point.lr:.4g} at the restart "
+            f"(step {point.step}), back to its warm-up value {first_lr:.4g}: the scheduler "
+            "state was not restored",
+            first_lr=first_lr,
+        ),
     )
 
 
@@ -148,10 +187,16 @@ def _reset_cursor(point: StepPoint, previous: StepPoint, config: ContinuityConfi
     if not (cursor_back and step_kept):
         return ()
     return (
-        _finding(point, "data_cursor_reset", "consumed", float(point.consumed), float(previous.consumed),
-                 f"the data cursor went from {previous.consumed} to {point.consumed} consumed examples "
-                 f"at the restart while the step went {previous.step} -> {point.step}: the loader "
-                 "restarted instead of resuming"),
+        _finding(
+            point,
+            "data_cursor_reset",
+            "consumed",
+            float(point.consumed),
+            float(previous.consumed),
+            f"the data cursor went from {previous.consumed} to {point.consumed} consumed examples "
+            f"at the restart while the step went {previous.step} -> {point.step}: the loader "
+            "restarted instead of resuming",
+        ),
     )
 
 
@@ -171,14 +216,20 @@ class ResumeFacts:
     first_sample_ids: tuple[Any, ...] | None = None
 
     @classmethod
-    def from_record(cls, incarnation: str, rank: int, checkpoint_step: int | None,
-                    restored: Mapping[str, Any]) -> ResumeFacts:
+    def from_record(
+        cls, incarnation: str, rank: int, checkpoint_step: int | None, restored: Mapping[str, Any]
+    ) -> ResumeFacts:
         ids = restored.get("first_sample_ids")
         return cls(
-            incarnation=incarnation, rank=rank, checkpoint_step=checkpoint_step,
-            optimizer_step=restored.get("optimizer_step"), exp_avg_norm=restored.get("exp_avg_norm"),
-            exp_avg_sq_norm=restored.get("exp_avg_sq_norm"), lr=restored.get("lr"),
-            scheduler_last_epoch=restored.get("scheduler_last_epoch"), consumed=restored.get("consumed"),
+            incarnation=incarnation,
+            rank=rank,
+            checkpoint_step=checkpoint_step,
+            optimizer_step=restored.get("optimizer_step"),
+            exp_avg_norm=restored.get("exp_avg_norm"),
+            exp_avg_sq_norm=restored.get("exp_avg_sq_norm"),
+            lr=restored.get("lr"),
+            scheduler_last_epoch=restored.get("scheduler_last_epoch"),
+            consumed=restored.get("consumed"),
             first_sample_ids=tuple(ids) if ids is not None else None,
         )
 
@@ -196,45 +247,102 @@ class Expected:
 
 
 def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityConfig) -> tuple[Finding, ...]:
-    point = StepPoint(step=expected.step, incarnation=facts.incarnation)
     problems: list[tuple[str, str, float | None, float | None, str]] = []
     if expected.step > 0:
         if facts.optimizer_step == 0:
-            problems.append(("optimizer_state_lost", "optimizer_step", 0.0, float(expected.step),
-                             f"optimizer step counter restored as 0 for a checkpoint at step {expected.step}"))
+            problems.append(
+                (
+                    "optimizer_state_lost",
+                    "optimizer_step",
+                    0.0,
+                    float(expected.step),
+                    f"optimizer step counter restored as 0 for a checkpoint at step {expected.step}",
+                )
+            )
         zero_moments = [n for n in ("exp_avg_norm", "exp_avg_sq_norm") if getattr(facts, n) == 0]
         if zero_moments:
-            problems.append(("optimizer_state_lost", zero_moments[0], 0.0, None,
-                             f"Adam moments restored with zero norm ({', '.join(zero_moments)})"))
+            problems.append(
+                (
+                    "optimizer_state_lost",
+                    zero_moments[0],
+                    0.0,
+                    None,
+                    f"Adam moments restored with zero norm ({', '.join(zero_moments)})",
+                )
+            )
         if facts.scheduler_last_epoch == 0:
-            problems.append(("schedule_restarted", "scheduler_last_epoch", 0.0, float(expected.step),
-                             "scheduler restored at epoch 0: warm-up starts over"))
+            problems.append(
+                (
+                    "schedule_restarted",
+                    "scheduler_last_epoch",
+                    0.0,
+                    float(expected.step),
+                    "scheduler restored at epoch 0: warm-up starts over",
+                )
+            )
     if expected.consumed is not None and facts.consumed is not None and facts.consumed != expected.consumed:
         kind = "data_cursor_reset" if facts.consumed == 0 else "data_cursor_mismatch"
-        problems.append((kind, "consumed", float(facts.consumed), float(expected.consumed),
-                         f"data cursor restored at {facts.consumed} consumed examples; the checkpoint "
-                         f"says {expected.consumed}"))
+        problems.append(
+            (
+                kind,
+                "consumed",
+                float(facts.consumed),
+                float(expected.consumed),
+                f"data cursor restored at {facts.consumed} consumed examples; the checkpoint "
+                f"says {expected.consumed}",
+            )
+        )
     if expected.next_lr is not None and _finite(facts.lr) and expected.next_lr > 0:
         assert facts.lr is not None
         if abs(facts.lr - expected.next_lr) > config.lr_relative_tolerance * expected.next_lr:
-            problems.append(("schedule_restarted", "lr", facts.lr, expected.next_lr,
-                             f"learning rate restored as {facts.lr:.6g}; the run used {expected.next_lr:.6g} "
-                             "after this checkpoint"))
-    if (expected.next_sample_ids is not None and facts.first_sample_ids is not None
-            and facts.first_sample_ids != expected.next_sample_ids[: len(facts.first_sample_ids)]):
-        problems.append(("data_cursor_mismatch", "sample_ids", None, None,
-                         f"first samples after the resume {list(facts.first_sample_ids)[:4]} are not the "
-                         f"ones that followed the checkpoint {list(expected.next_sample_ids)[:4]}"))
+            problems.append(
+                (
+                    "schedule_restarted",
+                    "lr",
+                    facts.lr,
+                    expected.next_lr,
+                    f"learning rate restored as {facts.lr:.6g}; the run used {expected.next_lr:.6g} "
+                    "after this checkpoint",
+                )
+            )
+    if (
+        expected.next_sample_ids is not None
+        and facts.first_sample_ids is not None
+        and facts.first_sample_ids != expected.next_sample_ids[: len(facts.first_sample_ids)]
+    ):
+        problems.append(
+            (
+                "data_cursor_mismatch",
+                "sample_ids",
+                None,
+                None,
+                f"first samples after the resume {list(facts.first_sample_ids)[:4]} are not the "
+                f"ones that followed the checkpoint {list(expected.next_sample_ids)[:4]}",
+            )
+        )
     return tuple(
-        Finding(step=expected.step + 1, kind=kind, severity=Severity.CRITICAL, signal=signal, value=value,
-                threshold=threshold, message=f"rank {facts.rank}: {message}", incarnation=facts.incarnation,
-                rank=facts.rank, evidence={"checkpoint_step": expected.step})
+        Finding(
+            step=expected.step + 1,
+            kind=kind,
+            severity=Severity.CRITICAL,
+            signal=signal,
+            value=value,
+            threshold=threshold,
+            message=f"rank {facts.rank}: {message}",
+            incarnation=facts.incarnation,
+            rank=facts.rank,
+            evidence={"checkpoint_step": expected.step},
+        )
         for kind, signal, value, threshold, message in problems
     )
 
 
 __all__ = [
-    "ContinuityConfig", "ContinuityState", "Expected", "ResumeFacts", "lost_weights_detected",
-    "observe_continuity", "resume_findings",
+    "ContinuityConfig",
+    "ContinuityState",
+    "Expected",
+    "ResumeFacts",
+    "lost_weights_detected",
+    "observe_continuity",
+    "resume_findings",
 ]
-

@@ -64,18 +64,14 @@ def matching_incident(
         incident
         for incident in open_incidents
         if _joins(incident.kind, kind)
-        and incident.first_step - config.merge_gap
-        <= finding.step
-        <= incident.last_step + config.merge_gap
+        and incident.first_step - config.merge_gap <= finding.step <= incident.last_step + config.merge_gap
     ]
     return max(near, key=lambda incident: incident.last_step, default=None)
 
 
 def extend(incident: IncidentView, finding: Finding) -> IncidentView:
     """The incident once this finding joins it: span, severity, count and kind grow."""
-    severity = (
-        finding.severity if finding.severity.rank > incident.severity.rank else incident.severity
-    )
+    severity = finding.severity if finding.severity.rank > incident.severity.rank else incident.severity
     kind = REFINEMENTS.get((incident.kind, incident_kind(finding.kind)), incident.kind)
     return IncidentView(
         key=incident.key,

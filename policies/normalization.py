@@ -68,7 +68,12 @@ def normalization_findings(point: StepPoint, config: NormalizationConfig) -> tup
             ),
             incarnation=point.incarnation,
             attempt=point.attempt,
-            evidence={"true": true, "naive": naive, "token_weight_ratio": weight,
-                      "min_rank_tokens": point.min_rank_tokens, "max_rank_tokens": point.max_rank_tokens},
+            evidence={
+                "true": true,
+                "naive": naive,
+                "token_weight_ratio": weight,
+                "min_rank_tokens": point.min_rank_tokens,
+                "max_rank_tokens": point.max_rank_tokens,
+            },
         ),
     )

@@ -49,12 +49,27 @@ class NumericsState:
     previous: StepPoint | None = None
 
 
-def _finding(point: StepPoint, kind: str, severity: Severity, signal: str, value: float | None,
-             threshold: float | None, message: str, **evidence: object) -> Finding:
+def _finding(
+    point: StepPoint,
+    kind: str,
+    severity: Severity,
+    signal: str,
+    value: float | None,
+    threshold: float | None,
+    message: str,
+    **evidence: object,
+) -> Finding:
     return Finding(
-        step=point.step, kind=kind, severity=severity, signal=signal, value=value,
-        threshold=threshold, message=message, incarnation=point.incarnation,
-        attempt=point.attempt, evidence=evidence,
+        step=point.step,
+        kind=kind,
+        severity=severity,
+        signal=signal,
+        value=value,
+        threshold=threshold,
+        message=message,
+        incarnation=point.incarnation,
+        attempt=point.attempt,
+        evidence=evidence,
     )
 
 
@@ -73,8 +88,15 @@ def nonfinite_findings(point: StepPoint) -> tuple[Finding, ...]:
         if signal == "grad_norm" and point.skipped:
             continue
         found.append(
-            _finding(point, "nonfinite", Severity.CRITICAL, signal, value, None,
-                     f"{signal} is {value} at step {point.step}: the step is unsafe")
+            _finding(
+                point,
+                "nonfinite",
+                Severity.CRITICAL,
+                signal,
+                value,
+                None,
+                f"{signal} is {value} at step {point.step}: the step is unsafe",
+            )
         )
     return tuple(found)
 
@@ -83,9 +105,16 @@ def zero_token_findings(point: StepPoint) -> tuple[Finding, ...]:
     if point.tokens != 0:
         return ()
     return (
-        _finding(point, "zero_tokens", Severity.WARNING, "tokens", 0.0, None,
-                 f"window at step {point.step} carried no supervised tokens: its loss is "
-                 "undefined (every label masked?)"),
+        _finding(
+            point,
+            "zero_tokens",
+            Severity.WARNING,
+            "tokens",
+            0.0,
+            None,
+            f"window at step {point.step} carried no supervised tokens: its loss is "
+            "undefined (every label masked?)",
+        ),
     )
 
 
@@ -109,30 +138,51 @@ def _skip_storm(point: StepPoint, skips: tuple[bool, ...], config: NumericsConfi
     if not point.skipped or count < config.skip_storm_count:
         return ()
     return (
-        _finding(point, "skip_storm", Severity.WARNING, "skipped", float(count),
-                 float(config.skip_storm_count),
-                 f"{count} skipped updates in the last {len(skips)} windows (step {point.step}): "
-                 "an overflow storm", window=len(skips)),
+        _finding(
+            point,
+            "skip_storm",
+            Severity.WARNING,
+            "skipped",
+            float(count),
+            float(config.skip_storm_count),
+            f"{count} skipped updates in the last {len(skips)} windows (step {point.step}): "
+            "an overflow storm",
+            window=len(skips),
+        ),
     )
 
 
-def _scale_collapse(point: StepPoint, scales: tuple[float, ...], config: NumericsConfig) -> tuple[Finding, ...]:
+def _scale_collapse(
+    point: StepPoint, scales: tuple[float, ...], config: NumericsConfig
+) -> tuple[Finding, ...]:
     if not scales or point.loss_scale is None or point.loss_scale != scales[-1]:
         return ()
     current, peak = scales[-1], max(scales)
     if current <= config.scale_floor:
         return (
-            _finding(point, "loss_scale_collapse", Severity.CRITICAL, "loss_scale", current,
-                     config.scale_floor,
-                     f"loss scale {current:g} at step {point.step} is at the floor {config.scale_floor:g}"),
+            _finding(
+                point,
+                "loss_scale_collapse",
+                Severity.CRITICAL,
+                "loss_scale",
+                current,
+                config.scale_floor,
+                f"loss scale {current:g} at step {point.step} is at the floor {config.scale_floor:g}",
+            ),
         )
     if current * config.scale_collapse_factor > peak:
         return ()
     return (
-        _finding(point, "loss_scale_collapse", Severity.WARNING, "loss_scale", current,
-                 peak / config.scale_collapse_factor,
-                 f"loss scale fell from {peak:g} to {current:g} within {len(scales)} windows "
-                 f"(step {point.step})", peak=peak),
+        _finding(
+            point,
+            "loss_scale_collapse",
+            Severity.WARNING,
+            "loss_scale",
+            current,
+            peak / config.scale_collapse_factor,
+            f"loss scale fell from {peak:g} to {current:g} within {len(scales)} windows (step {point.step})",
+            peak=peak,
+        ),
     )
 
 
@@ -146,9 +196,16 @@ def _lr_on_skip(previous: StepPoint, point: StepPoint, config: NumericsConfig) -
     if abs(point.lr - previous.lr) <= config.lr_relative_tolerance * scale:
         return ()
     return (
-        _finding(point, "lr_advanced_on_skip", Severity.WARNING, "lr", point.lr, previous.lr,
-                 f"learning rate moved {previous.lr:.6g} -> {point.lr:.6g} after the skipped update "
-                 f"at step {previous.step}: a per-update schedule must not advance on a skip"),
+        _finding(
+            point,
+            "lr_advanced_on_skip",
+            Severity.WARNING,
+            "lr",
+            point.lr,
+            previous.lr,
+            f"learning rate moved {previous.lr:.6g} -> {point.lr:.6g} after the skipped update "
+            f"at step {previous.step}: a per-update schedule must not advance on a skip",
+        ),
     )
 
 
@@ -168,6 +225,13 @@ def _counters(previous: StepPoint, point: StepPoint) -> tuple[Finding, ...]:
     if not problems:
         return ()
     return (
-        _finding(point, "counter_mismatch", Severity.WARNING, "step", float(point.step),
-                 float(expected_step), "; ".join(problems) + f" (attempt {point.attempt})"),
+        _finding(
+            point,
+            "counter_mismatch",
+            Severity.WARNING,
+            "step",
+            float(point.step),
+            float(expected_step),
+            "; ".join(problems) + f" (attempt {point.attempt})",
+        ),
     )

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.continuity import ContinuityConfig, ContinuityState, lost_weights_detected, observe_continuity
+from policies.continuity import (
+    ContinuityConfig,
+    ContinuityState,
+    lost_weights_detected,
+    observe_continuity,
+)
 from policies.incidents import GroupingConfig
 from policies.normalization import NormalizationConfig, normalization_findings
 from policies.numerics import NumericsConfig, NumericsState, observe_numerics
@@ -28,8 +33,8 @@ class SeriesConfig:
 class SeriesState:
     loss_spike: SpikeState
     grad_norm_spike: SpikeState
-    numerics: NumericsState = NumericsState()
-    continuity: ContinuityState = ContinuityState()
+    numerics: NumericsState = field(default_factory=NumericsState)
+    continuity: ContinuityState = field(default_factory=ContinuityState)
 
     @classmethod
     def empty(cls, config: SeriesConfig) -> SeriesState:

@@ -52,9 +52,7 @@ class SpikeConfig:
         if self.window < 3:
             raise ValueError(f"SpikeConfig.window must be >= 3, got {self.window}")
         if not 1 <= self.warmup <= self.window:
-            raise ValueError(
-                f"SpikeConfig.warmup must be in [1, window={self.window}], got {self.warmup}"
-            )
+            raise ValueError(f"SpikeConfig.warmup must be in [1, window={self.window}], got {self.warmup}")
         if self.z <= 0 or self.min_relative < 0 or self.critical_factor < 1:
             raise ValueError("SpikeConfig: z > 0, min_relative >= 0, critical_factor >= 1")
         if self.cold_min_points < 1 or self.cold_ratio <= 0 or self.shift_after < 2:
@@ -130,11 +128,7 @@ def observe_spike(
     if value <= threshold:
         return SpikeState(window=window.push(value)), ()
     flagged = (*state.flagged, (point.step, value))
-    severity = (
-        Severity.CRITICAL
-        if value - center >= config.critical_factor * allowed
-        else Severity.WARNING
-    )
+    severity = Severity.CRITICAL if value - center >= config.critical_factor * allowed else Severity.WARNING
     spike = _finding(point, signal, "spike", severity, raw, threshold, center, window, warm, config)
     if len(flagged) < config.shift_after:
         return SpikeState(window=window.push(threshold), flagged=flagged), (spike,)

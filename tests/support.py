@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from monitor import queries
+from monitor import cli, queries
 from monitor.models import Base
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -103,9 +103,9 @@ class PostgresServer:
         for _attempt in range(3):  # a free port can be taken between probe and bind
             self.port = free_port()
             self._write_settings()
+            log = ["-l", str(self.log)]
             started = self._command(
-                "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start",
-                check=False,
+                "pg_ctl", "-D", str(self.data), *log, "-w", "start", check=False
             )
             if started.returncode == 0:
                 return
@@ -171,7 +171,9 @@ class PostgresServer:
         lines = [f"{name} = {value}" for name, value in settings.items()]
         (self.data / "postgresql.auto.conf").write_text("\n".join(lines) + "\n")
 
-    def _command(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def _command(
+        self, name: str, *args: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         argv = [*self._as_owner, str(self.bin_dir / name), *args]
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=120, cwd=self.root, check=False
@@ -235,26 +237,76 @@ def record_of_each_kind() -> list[dict[str, Any]]:
     """One valid record of every kind the ingest API takes, in ``RECORD_KINDS`` order."""
     return [
         step_record(node="node-0", device_uuid="GPU-0", sample_ids=[1, "shard-3:17"]),
-        {"kind": "heartbeat", "incarnation": INCARNATION, "rank": 0, "phase": "forward",
-         "phase_since": 999.0, "time": 1000.0, "node": "node-0", "step": 0, "attempt": 0},
-        {"kind": "run_start", "incarnation": INCARNATION, "time": 990.0, "world_size": 1,
-         "layout": {"dp": 1, "tp": 1}, "config": {"lr": 3e-4}},
+        {
+            "kind": "heartbeat",
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "phase": "forward",
+            "phase_since": 999.0,
+            "time": 1000.0,
+            "node": "node-0",
+            "step": 0,
+            "attempt": 0,
+        },
+        {
+            "kind": "run_start",
+            "incarnation": INCARNATION,
+            "time": 990.0,
+            "world_size": 1,
+            "layout": {"dp": 1, "tp": 1},
+            "config": {"lr": 3e-4},
+        },
         {"kind": "run_finish", "incarnation": INCARNATION, "time": 2000.0, "status": "completed"},
-        {"kind": "device_sample", "node": "node-0", "device_uuid": "GPU-0", "seq": 1,
-         "time": 1000.0, "rank": 0, "clock_event_reasons": 0, "sm_clock_mhz": 1980.0,
-         "power_w": 650.5, "temperature_c": 61.0, "counters": {"ecc_dbe": 0},
-         "xids": [{"xid": 79, "time": 1000.0}]},
-        {"kind": "link_sample", "node": "node-0", "device": "mlx5_0", "port": 1, "seq": 1,
-         "time": 1000.0, "state": "ACTIVE", "counters": {"symbol_error": 0},
-         "saturated": []},
-        {"kind": "checkpoint", "incarnation": INCARNATION, "rank": 0, "step": 0,
-         "path": "/ckpt/step-0", "time": 1001.0, "consumed": 64,
-         "manifest": {"step": 0, "consumed": 64,
-                      "files": [{"path": "model.pt", "size": 123, "sha256": SHA}]},
-         "tags": ["periodic"], "metrics": {"loss": 2.0}},
-        {"kind": "resume", "incarnation": INCARNATION, "rank": 0, "time": 1002.0,
-         "restored": {"optimizer": True, "lr": 3e-4}, "checkpoint_path": "/ckpt/step-0",
-         "checkpoint_step": 0},
+        {
+            "kind": "device_sample",
+            "node": "node-0",
+            "device_uuid": "GPU-0",
+            "seq": 1,
+            "time": 1000.0,
+            "rank": 0,
+            "clock_event_reasons": 0,
+            "sm_clock_mhz": 1980.0,
+            "power_w": 650.5,
+            "temperature_c": 61.0,
+            "counters": {"ecc_dbe": 0},
+            "xids": [{"xid": 79, "time": 1000.0}],
+        },
+        {
+            "kind": "link_sample",
+            "node": "node-0",
+            "device": "mlx5_0",
+            "port": 1,
+            "seq": 1,
+            "time": 1000.0,
+            "state": "ACTIVE",
+            "counters": {"symbol_error": 0},
+            "saturated": [],
+        },
+        {
+            "kind": "checkpoint",
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "step": 0,
+            "path": "/ckpt/step-0",
+            "time": 1001.0,
+            "consumed": 64,
+            "manifest": {
+                "step": 0,
+                "consumed": 64,
+                "files": [{"path": "model.pt", "size": 123, "sha256": SHA}],
+            },
+            "tags": ["periodic"],
+            "metrics": {"loss": 2.0},
+        },
+        {
+            "kind": "resume",
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "time": 1002.0,
+            "restored": {"optimizer": True, "lr": 3e-4},
+            "checkpoint_path": "/ckpt/step-0",
+            "checkpoint_step": 0,
+        },
     ]
 
 
@@ -302,3 +354,12 @@ def make_run(store: Engine, name: str) -> RunHandle:
         token = queries.create_run(connection, name)
         run_id = int(queries.run_row(connection, name).id)
     return RunHandle(name=name, id=run_id, token=token)
+
+
+def run_cli(argv: list[str]) -> int:
+    """``runhealth ARGV`` in this process; its exit status."""
+    try:
+        cli.main(argv)
+    except SystemExit as exited:
+        return exited.code if isinstance(exited.code, int) else 1
+    return 0

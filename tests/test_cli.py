@@ -42,9 +42,18 @@ def seed_store(db: Path) -> None:
         loss = 8.0 if step == 70 else ("NaN" if step == 75 else 2.0 + 0.01 * (step % 3))
         for rank in (0, 1):
             records.append(
-                {"kind": "step", "incarnation": incarnation, "rank": rank, "attempt": step,
-                 "step": step, "time": float(step), "node": f"node-{rank}", "tokens": 100,
-                 "loss_sum": loss if isinstance(loss, str) else loss * 100, "grad_norm": 1.0}
+                {
+                    "kind": "step",
+                    "incarnation": incarnation,
+                    "rank": rank,
+                    "attempt": step,
+                    "step": step,
+                    "time": float(step),
+                    "node": f"node-{rank}",
+                    "tokens": 100,
+                    "loss_sum": loss if isinstance(loss, str) else loss * 100,
+                    "grad_norm": 1.0,
+                }
             )
     batch = BatchIn.model_validate_json(json.dumps({"records": records}))
     service.ingest("cli-run", run_id, batch.records)
@@ -72,7 +81,9 @@ def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[s
     assert {(i["kind"], i["first_step"]) for i in incidents} == {("spike", 70), ("nonfinite", 75)}
     _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
     assert [i["first_step"] for i in json.loads(out)["incidents"]] == [75]
-    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--severity", "critical", "--run", "other")
+    _, out, _ = cli(
+        capsys, "incidents", "--db", str(store), "--json", "--severity", "critical", "--run", "other"
+    )
     assert json.loads(out)["incidents"] == []
     _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--since", "1h")
     assert len(json.loads(out)["incidents"]) == 2
@@ -80,7 +91,9 @@ def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[s
     assert json.loads(out)["incidents"] == []
 
 
-def test_incident_shows_its_evidence_with_nan_encoded(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_incident_shows_its_evidence_with_nan_encoded(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
     incident_id = json.loads(out)["incidents"][0]["id"]
     code, out, _ = cli(capsys, "incident", str(incident_id), "--db", str(store), "--json")
@@ -103,7 +116,9 @@ def test_runs_lists_and_creates(store: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
-def test_export_steps_and_incidents(store: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_steps_and_incidents(
+    store: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     steps_file = tmp_path / f"steps{suffix}"
     code, out, _ = cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
     assert code == 0 and "wrote 80 steps rows" in out
@@ -112,26 +127,53 @@ def test_export_steps_and_incidents(store: Path, tmp_path: Path, suffix: str, ca
     nan_row = frame.filter(pl.col("step") == 75)
     assert math.isnan(nan_row["loss"][0])
     history = tmp_path / f"incidents{suffix}"
-    code, out, _ = cli(capsys, "export", "cli-run", "--what", "incidents", "--out", str(history), "--db", str(store))
+    code, out, _ = cli(
+        capsys, "export", "cli-run", "--what", "incidents", "--out", str(history), "--db", str(store)
+    )
     assert code == 0 and "wrote 2 incidents rows" in out
-    code, out, _ = cli(capsys, "export", "cli-run", "--what", "records", "--out", str(tmp_path / f"r{suffix}"), "--db", str(store))
+    code, out, _ = cli(
+        capsys,
+        "export",
+        "cli-run",
+        "--what",
+        "records",
+        "--out",
+        str(tmp_path / f"r{suffix}"),
+        "--db",
+        str(store),
+    )
     assert "wrote 160 records rows" in out
 
 
-def test_exported_steps_backtest_to_the_same_incidents(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_exported_steps_backtest_to_the_same_incidents(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     steps_file = tmp_path / "steps.csv"
     cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
     code, out, _ = cli(capsys, "backtest", str(steps_file), "--json")
     assert code == 0
-    assert {(i["kind"], i["first_step"]) for i in json.loads(out)["incidents"]} == {("spike", 70), ("nonfinite", 75)}
+    assert {(i["kind"], i["first_step"]) for i in json.loads(out)["incidents"]} == {
+        ("spike", 70),
+        ("nonfinite", 75),
+    }
 
 
 def test_backtest_json_document_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "backtest", str(CURVES / "bigscience_chronicle_excerpts.csv"), "--json", "--run", "tr8-104B")
+    code, out, _ = cli(
+        capsys, "backtest", str(CURVES / "bigscience_chronicle_excerpts.csv"), "--json", "--run", "tr8-104B"
+    )
     assert code == 0
     document = json.loads(out)
     assert {"run", "steps", "findings", "incidents"} <= document.keys()
-    assert set(document["findings"][0]) >= {"step", "kind", "severity", "signal", "value", "threshold", "message"}
+    assert set(document["findings"][0]) >= {
+        "step",
+        "kind",
+        "severity",
+        "signal",
+        "value",
+        "threshold",
+        "message",
+    }
     assert set(document["incidents"][0]) >= {"id", "kind", "severity", "first_step", "last_step", "summary"}
 
 
@@ -149,7 +191,9 @@ def test_backtest_json_document_shape(capsys: pytest.CaptureFixture[str]) -> Non
         ["incidents", "--db", "{fresh}"],
     ],
 )
-def test_user_errors_are_one_line_and_exit_2(store: Path, tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_user_errors_are_one_line_and_exit_2(
+    store: Path, tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     args = [a.format(db=store, fresh=tmp_path / "fresh.db") for a in args]
     code, out, err = cli(capsys, *args)
     assert code == 2

@@ -9,7 +9,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from monitor import cli
 from monitor.db import (
     DEFAULT_DB_FILE,
     StoreError,
@@ -19,6 +18,7 @@ from monitor.db import (
     resolve_url,
     sqlite_path,
 )
+from tests.support import run_cli
 
 PG_URL = "postgresql+psycopg2://monitor@db.example:5432/runhealth"
 
@@ -127,9 +127,7 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
 
 def test_cli_store_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's path for a store it refuses (an NFS path raises the same StoreError)."""
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["db", "upgrade", "--db", "postgresql://u@h:notaport/db"])
-    assert exited.value.code == 2
+    assert run_cli(["db", "upgrade", "--db", "postgresql://u@h:notaport/db"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1

@@ -28,8 +28,16 @@ def make_service(db: Path) -> tuple[Service, int]:
 def steps(attempts: range, ranks: tuple[int, ...], loss: dict[int, float] | None = None) -> list[dict]:
     loss = loss or {}
     return [
-        {"kind": "step", "incarnation": INCARNATION, "rank": rank, "attempt": a, "step": a,
-         "time": float(a), "tokens": 10, "loss_sum": 10 * loss.get(a, 2.0 + 0.01 * (a % 3))}
+        {
+            "kind": "step",
+            "incarnation": INCARNATION,
+            "rank": rank,
+            "attempt": a,
+            "step": a,
+            "time": float(a),
+            "tokens": 10,
+            "loss_sum": 10 * loss.get(a, 2.0 + 0.01 * (a % 3)),
+        }
         for a in attempts
         for rank in ranks
     ]
@@ -43,7 +51,11 @@ def post(service: Service, run_id: int, records: list[dict]) -> None:
 def judged(service: Service) -> list[int]:
     table = models.StepSummary.__table__
     with service.engine.connect() as connection:
-        return list(connection.execute(sa.select(table.c.attempt).where(table.c.judged).order_by(table.c.attempt)).scalars())
+        return list(
+            connection.execute(
+                sa.select(table.c.attempt).where(table.c.judged).order_by(table.c.attempt)
+            ).scalars()
+        )
 
 
 def incidents(service: Service) -> list[tuple[str, int, int]]:

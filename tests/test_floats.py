@@ -15,7 +15,7 @@ from monitor.floats import dumps, dumps_str, float_from_wire, float_to_wire, to_
 NONFINITE = [(math.nan, "NaN"), (math.inf, "Infinity"), (-math.inf, "-Infinity")]
 
 # What a JSON document can hold: 64-bit integers, text without lone surrogates.
-text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=5)
+text = st.text(st.characters(exclude_categories=["Cs"]), max_size=5)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),

@@ -124,9 +124,7 @@ def test_same_key_in_another_run_is_another_record(store: Engine, run: RunHandle
 
 
 @pytest.mark.parametrize("kind", ["device_sample", "link_sample", "checkpoint", "resume"])
-def test_keyed_kinds_conflict_on_changed_content(
-    store: Engine, run: RunHandle, kind: str
-) -> None:
+def test_keyed_kinds_conflict_on_changed_content(store: Engine, run: RunHandle, kind: str) -> None:
     [record] = [r for r in record_of_each_kind() if r["kind"] == kind]
     ingest(store, run, [record])
     with pytest.raises(ConflictError) as conflict:
@@ -197,7 +195,9 @@ def heartbeat(time: float, phase: str, rank: int = 0) -> dict[str, Any]:
 
 def heartbeat_phases(store: Engine) -> dict[int, tuple[float, str]]:
     with store.connect() as connection:
-        rows = connection.execute(sa.select(HEARTBEATS.c.rank, HEARTBEATS.c.time, HEARTBEATS.c.phase))
+        rows = connection.execute(
+            sa.select(HEARTBEATS.c.rank, HEARTBEATS.c.time, HEARTBEATS.c.phase)
+        )
         return {rank: (time, phase) for rank, time, phase in rows}
 
 
@@ -268,7 +268,7 @@ def test_records_after_judging_are_counted_late(store: Engine, run: RunHandle) -
     records = four_ranks()
     ingest(store, run, records[:2])
     with store.begin() as connection:
-        connection.execute(SUMMARY.update().values(judged=True))
+        connection.execute(sa.update(models.StepSummary).values(judged=True))
     ingest(store, run, records[2:])
     summary = only_summary(store)
     assert (summary["ranks_reported"], summary["late_records"]) == (4, 2)

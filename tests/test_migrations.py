@@ -18,10 +18,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Engine
 
-from monitor import cli, migrate
+from monitor import migrate
 from monitor.db import create_store_engine
 from monitor.models import Base
-from tests.support import both_backends, require_binary
+from tests.support import both_backends, require_binary, run_cli
 
 IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
 
@@ -116,7 +116,7 @@ def test_cli_db_upgrade_creates_a_store_from_scratch(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "new" / "runhealth.db"
-    cli.main(["db", "upgrade", "--db", str(path)])
+    assert run_cli(["db", "upgrade", "--db", str(path)]) == 0
     assert capsys.readouterr().out.strip() == f"store at revision {migrate.head_revision()}"
     engine = create_store_engine(URL.create("sqlite", database=str(path)))
     try:

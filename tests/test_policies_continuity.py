@@ -18,7 +18,9 @@ def trained_run() -> ContinuityState:
     for step in range(1, 200):
         loss = 10.0 if step <= 5 else 3.0
         lr = 1e-5 if step == 1 else 1e-3
-        state, found = observe_continuity(state, StepPoint(step=step, loss=loss, lr=lr, consumed=64 * step), 3.0, CONFIG)
+        state, found = observe_continuity(
+            state, StepPoint(step=step, loss=loss, lr=lr, consumed=64 * step), 3.0, CONFIG
+        )
         assert found == ()
     return state
 
@@ -53,8 +55,15 @@ def test_no_history_no_judgement() -> None:
 
 
 def facts(**restored: object) -> ResumeFacts:
-    base = {"optimizer_step": 1840, "exp_avg_norm": 0.3, "exp_avg_sq_norm": 0.01, "lr": 1e-3,
-            "scheduler_last_epoch": 1840, "consumed": 117_760, "first_sample_ids": [500, 501]}
+    base = {
+        "optimizer_step": 1840,
+        "exp_avg_norm": 0.3,
+        "exp_avg_sq_norm": 0.01,
+        "lr": 1e-3,
+        "scheduler_last_epoch": 1840,
+        "consumed": 117_760,
+        "first_sample_ids": [500, 501],
+    }
     return ResumeFacts.from_record("inc-2", 0, 1840, {**base, **restored})
 
 

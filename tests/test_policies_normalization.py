@@ -11,8 +11,13 @@ def window(reported: float) -> StepPoint:
     mean0, mean1 = 2.0, 3.0
     true = (mean0 * 4800 + mean1 * 9600) / 14400
     return StepPoint(
-        step=10, loss=true, ranks=2, reported_loss=reported, naive_loss=(mean0 + mean1) / 2,
-        min_rank_tokens=4800, max_rank_tokens=9600,
+        step=10,
+        loss=true,
+        ranks=2,
+        reported_loss=reported,
+        naive_loss=(mean0 + mean1) / 2,
+        min_rank_tokens=4800,
+        max_rank_tokens=9600,
     )
 
 
@@ -28,13 +33,19 @@ def test_token_weighted_reporting_passes() -> None:
 
 
 def test_equal_tokens_make_the_two_means_equal_and_nothing_to_judge() -> None:
-    point = StepPoint(step=1, loss=2.5, ranks=2, reported_loss=2.5, naive_loss=2.5,
-                      min_rank_tokens=100, max_rank_tokens=100)
+    point = StepPoint(
+        step=1, loss=2.5, ranks=2, reported_loss=2.5, naive_loss=2.5, min_rank_tokens=100, max_rank_tokens=100
+    )
     assert normalization_findings(point, CONFIG) == ()
 
 
 def test_single_rank_and_missing_values_are_not_judged() -> None:
-    assert normalization_findings(StepPoint(step=1, loss=2.0, ranks=1, reported_loss=3.0, naive_loss=3.0), CONFIG) == ()
+    assert (
+        normalization_findings(
+            StepPoint(step=1, loss=2.0, ranks=1, reported_loss=3.0, naive_loss=3.0), CONFIG
+        )
+        == ()
+    )
     assert normalization_findings(StepPoint(step=1, loss=2.0, ranks=2), CONFIG) == ()
 
 

@@ -134,7 +134,14 @@ def test_a_falling_loss_is_never_a_spike() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"window": 2}, {"warmup": 0}, {"warmup": 200}, {"z": 0.0}, {"min_relative": -0.1}, {"critical_factor": 0.5}],
+    [
+        {"window": 2},
+        {"warmup": 0},
+        {"warmup": 200},
+        {"z": 0.0},
+        {"min_relative": -0.1},
+        {"critical_factor": 0.5},
+    ],
 )
 def test_config_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):

@@ -1,0 +1,141 @@
+"""Hangs: a rank whose phase has not changed for too long, or that stopped sending.
+
+Heartbeats come from each rank's sender thread on its own clock, so a rank whose training
+thread is blocked in a collective still reports, with the phase it entered and when. The
+timeout is learned from the run's own step times; a run that finished is not hung.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.types import Finding, Severity
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    """How long is too long.
+
+    - timeout = max(``min_timeout_s``, ``step_time_factor`` x the 90th percentile of the
+      run's recent window durations). 10x p90: a checkpoint save or an eval pass can take a
+      few steps' time; nothing healthy holds one phase for ten slow steps. The 60 s floor
+      keeps start-up (compilation, first all-reduce) from looking hung.
+    - a rank is missing when its newest heartbeat is older than ``silence_intervals`` x the
+      heartbeat interval (3: one lost or late heartbeat is not silence).
+    """
+
+    min_timeout_s: float = 60.0
+    step_time_factor: float = 10.0
+    heartbeat_interval_s: float = 5.0
+    silence_intervals: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.min_timeout_s <= 0 or self.step_time_factor < 1:
+            raise ValueError("HangConfig: min_timeout_s > 0, step_time_factor >= 1")
+        if self.heartbeat_interval_s <= 0 or self.silence_intervals < 1:
+            raise ValueError("HangConfig: heartbeat_interval_s > 0, silence_intervals >= 1")
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A rank's newest heartbeat, as the service holds it."""
+
+    rank: int
+    node: str | None
+    step: int | None
+    phase: str
+    phase_since: float
+    received_at: float
+
+
+def learned_timeout(window_durations: Sequence[float], config: HangConfig) -> float:
+    durations = sorted(d for d in window_durations if d > 0)
+    if len(durations) < 5:
+        return config.min_timeout_s
+    p90 = statistics.quantiles(durations, n=10)[-1]
+    return max(config.min_timeout_s, config.step_time_factor * p90)
+
+
+def hang_finding(
+    beats: Sequence[Beat],
+    expected_ranks: int | None,
+    now: float,
+    timeout: float,
+    incarnation: str,
+    config: HangConfig,
+) -> Finding | None:
+    """One finding naming every stuck and every missing rank, or ``None`` when all move."""
+    silence = config.silence_intervals * config.heartbeat_interval_s
+    stuck = [b for b in beats if now - b.received_at <= silence and now - b.phase_since > timeout]
+    silent = [b for b in beats if now - b.received_at > silence]
+    seen = {b.rank for b in beats}
+    never = sorted(set(range(expected_ranks)) - seen) if expected_ranks else []
+    if not (stuck or silent or never):
+        return None
+    affected = stuck + silent
+    last_steps = [b.step for b in affected if b.step is not None]
+    first_step = min(last_steps) if last_steps else 0
+    suspects = _suspects(beats, stuck, silent)
+    parts = []
+    if stuck:
+        parts.append(
+            "stuck: "
+            + ", ".join(
+                f"rank {b.rank} in {b.phase} for {now - b.phase_since:.0f} s (step {b.step})"
+                for b in stuck[:8]
+            )
+        )
+    if silent or never:
+        names = [
+            f"rank {b.rank} (last heard {now - b.received_at:.0f} s ago, step {b.step})" for b in silent[:8]
+        ]
+        names += [f"rank {r} (never heard)" for r in never[:8]]
+        parts.append("missing: " + ", ".join(names))
+    return Finding(
+        step=first_step,
+        kind="hang",
+        severity=Severity.CRITICAL,
+        signal="heartbeat",
+        value=max((now - b.phase_since for b in stuck), default=None),
+        threshold=timeout,
+        message=f"run hung (timeout {timeout:.0f} s): " + "; ".join(parts),
+        incarnation=incarnation,
+        rank=suspects[0] if len(suspects) == 1 else None,
+        evidence={
+            "stuck": [_describe(b, now) for b in stuck],
+            "missing": [_describe(b, now) for b in silent] + [{"rank": r} for r in never],
+            "suspects": suspects,
+            "timeout_s": timeout,
+            "wants": "stack_dumps",
+        },
+    )
+
+
+def _suspects(beats: Sequence[Beat], stuck: Sequence[Beat], silent: Sequence[Beat]) -> list[int]:
+    """The ranks that hold the others up: silent ones, else those furthest behind or in a
+    different phase from the majority (peers waiting in a collective share one phase)."""
+    if silent:
+        return sorted(b.rank for b in silent)
+    if not stuck:
+        return []
+    lowest = min(b.step if b.step is not None else 0 for b in stuck)
+    behind = [b.rank for b in stuck if (b.step if b.step is not None else 0) == lowest]
+    if len(behind) < len(stuck):
+        return sorted(behind)
+    phases = [b.phase for b in beats]
+    majority = max(set(phases), key=phases.count)
+    odd = [b.rank for b in stuck if b.phase != majority]
+    return sorted(odd) if odd and len(odd) < len(stuck) else []
+
+
+def _describe(beat: Beat, now: float) -> dict[str, object]:
+    return {
+        "rank": beat.rank,
+        "node": beat.node,
+        "step": beat.step,
+        "phase": beat.phase,
+        "in_phase_s": round(now - beat.phase_since, 1),
+        "last_heard_s": round(now - beat.received_at, 1),
+    }

@@ -1,0 +1,80 @@
+"""One window's per-rank values as arrays, and comparisons of each rank with its peers.
+
+Peers are the ranks of one data-parallel group: the replicas that hold the same model shard
+(the same tensor-, pipeline- and context-parallel coordinates) and see different data. A
+comparison needs at least three peers: with two, the one that is off cannot be told from
+the one that is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+
+PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class RankWindow:
+    """Every reporting rank's values for one window; arrays are parallel, NaN = not logged.
+
+    Arrays are never mutated after construction: treat this as the frozen value it is.
+    """
+
+    step: int
+    attempt: int | None
+    incarnation: str
+    ranks: Ints
+    groups: Ints
+    loss_sum: Floats
+    tokens: Floats
+    phases: dict[str, Floats]
+    nodes: tuple[str | None, ...]
+    devices: tuple[str | None, ...]
+    sample_ids: tuple[Sequence[Any] | None, ...]
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict[str, Any]]) -> RankWindow:
+        """Build from step-record dicts (the wire/store field names) of one window."""
+        ordered = sorted(records, key=lambda r: r["rank"])
+        coordinates = [(r.get("tp_rank") or 0, r.get("pp_rank") or 0, r.get("cp_rank") or 0) for r in ordered]
+        group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
+        first = ordered[0]
+
+        def column(name: str) -> Floats:
+            return np.array([np.nan if r.get(name) is None else r[name] for r in ordered], dtype=np.float64)
+
+        return cls(
+            step=max(r["step"] for r in ordered),
+            attempt=first.get("attempt"),
+            incarnation=first.get("incarnation", ""),
+            ranks=np.array([r["rank"] for r in ordered], dtype=np.int64),
+            groups=np.array([group_ids[c] for c in coordinates], dtype=np.int64),
+            loss_sum=column("loss_sum"),
+            tokens=column("tokens"),
+            phases={phase: column(f"{phase}_s") for phase in PHASES},
+            nodes=tuple(r.get("node") for r in ordered),
+            devices=tuple(r.get("device_uuid") for r in ordered),
+            sample_ids=tuple(r.get("sample_ids") for r in ordered),
+        )
+
+    def peer_groups(self, min_size: int = 3) -> Iterator[npt.NDArray[np.intp]]:
+        """Index arrays of each data-parallel group large enough to compare within."""
+        for group in np.unique(self.groups):
+            members = np.flatnonzero(self.groups == group)
+            if len(members) >= min_size:
+                yield members
+
+
+def peer_median(values: Floats, members: npt.NDArray[np.intp]) -> float:
+    """The median over a group's finite values (NaN when none is finite)."""
+    chosen = values[members]
+    finite = chosen[np.isfinite(chosen)]
+    return float(np.median(finite)) if len(finite) else float("nan")

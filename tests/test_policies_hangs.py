@@ -1,0 +1,58 @@
+import pytest
+
+from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
+
+CONFIG = HangConfig(min_timeout_s=10.0, heartbeat_interval_s=1.0)
+
+
+def beat(rank: int, phase: str = "forward", since: float = 95.0, heard: float = 99.5, step: int = 7) -> Beat:
+    return Beat(rank=rank, node=f"n{rank}", step=step, phase=phase, phase_since=since, received_at=heard)
+
+
+def test_timeout_is_learned_from_step_times_with_a_floor() -> None:
+    assert learned_timeout([0.1] * 100, CONFIG) == 10.0
+    assert learned_timeout([2.0] * 100, CONFIG) == pytest.approx(20.0)
+    assert learned_timeout([2.0, 3.0], CONFIG) == 10.0  # too few to learn from
+
+
+def test_all_ranks_moving_is_no_hang() -> None:
+    assert (
+        hang_finding([beat(r) for r in range(4)], 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+        is None
+    )
+
+
+def test_just_under_and_just_over_the_timeout() -> None:
+    beats = [beat(0, since=90.5), beat(1)]
+    assert hang_finding(beats, 2, now=100.0, timeout=10.0, incarnation="i", config=CONFIG) is None
+    beats = [beat(0, since=89.5), beat(1)]
+    finding = hang_finding(beats, 2, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
+
+
+def test_the_rank_in_another_phase_is_the_suspect() -> None:
+    beats = [
+        beat(0, "backward", since=50.0),
+        beat(1, "backward", since=50.0),
+        beat(2, "forward", since=50.0),
+        beat(3, "backward", since=50.0),
+    ]
+    finding = hang_finding(beats, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    assert finding is not None
+    assert finding.evidence["suspects"] == [2] and finding.rank == 2
+    assert finding.evidence["wants"] == "stack_dumps"
+    assert "stuck" in finding.message and "rank 2 in forward" in finding.message
+
+
+def test_a_silent_rank_and_a_never_seen_rank_are_missing() -> None:
+    beats = [beat(0), beat(1, heard=90.0, step=5)]
+    finding = hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    assert finding is not None
+    assert [m["rank"] for m in finding.evidence["missing"]] == [1, 2]
+    assert finding.step == 5
+    assert finding.evidence["suspects"] == [1]
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        HangConfig(min_timeout_s=0)

@@ -1,0 +1,149 @@
+"""Per-rank policies: loss per token and stragglers, judged within data-parallel groups."""
+
+import math
+
+import numpy as np
+import pytest
+
+from policies.peers import RankWindow
+from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
+from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers, straggler_scores
+
+
+def records(
+    step: int,
+    ranks: int = 4,
+    loss: dict[int, float] | None = None,
+    slow: dict[int, float] | None = None,
+    tp: int = 1,
+) -> list[dict]:
+    loss, slow = loss or {}, slow or {}
+    jitter = [1.0, 1.01, 0.99, 1.005, 0.995, 1.0, 1.002, 0.998]
+    out = []
+    for rank in range(ranks):
+        factor = slow.get(rank, 1.0) * jitter[(rank + step) % len(jitter)]
+        out.append(
+            {
+                "rank": rank,
+                "step": step,
+                "attempt": step,
+                "incarnation": "i",
+                "tp_rank": rank % tp,
+                "loss_sum": 100 * loss.get(rank, 2.0 + 0.02 * jitter[(rank * 3 + step) % 8]),
+                "tokens": 100,
+                "data_wait_s": 0.001,
+                "forward_s": 0.010 * factor,
+                "backward_s": 0.020,
+                "optimizer_s": 0.005 * factor,
+                "node": f"n{rank}",
+                "device_uuid": f"GPU-{rank}",
+                "sample_ids": [step * 10 + rank],
+            }
+        )
+    return out
+
+
+def test_groups_are_replicas_of_one_shard() -> None:
+    window = RankWindow.from_records(records(1, ranks=8, tp=2))
+    groups = [sorted(window.ranks[m].tolist()) for m in window.peer_groups()]
+    assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert list(RankWindow.from_records(records(1, ranks=2)).peer_groups()) == []
+
+
+def run_rank_loss(windows: list[list[dict]], config: RankLossConfig = RankLossConfig()) -> list[list]:
+    state, out = RankLossState.empty(config), []
+    for w in windows:
+        state, found = observe_rank_loss(state, RankWindow.from_records(w), config)
+        out.append(found)
+    return out
+
+
+def test_one_ranks_corrupted_batch_is_named_with_its_batch() -> None:
+    windows = [records(s) for s in range(1, 40)] + [records(40, loss={2: 7.0})]
+    found = run_rank_loss(windows)
+    assert all(f == () for f in found[:-1])
+    (finding,) = found[-1]
+    assert (finding.rank, finding.node, finding.device, finding.step) == (2, "n2", "GPU-2", 40)
+    assert finding.evidence["sample_ids"] == [402]
+
+
+def test_rank_loss_waits_for_warm_up_and_ignores_zero_token_ranks() -> None:
+    found = run_rank_loss([records(1, loss={2: 7.0})])
+    assert found == [()]
+    window = records(30, loss={2: 7.0})
+    window[2]["tokens"] = 0
+    found = run_rank_loss([records(s) for s in range(1, 30)] + [window])
+    assert found[-1] == ()
+
+
+def test_two_ranks_cannot_tell_which_is_off() -> None:
+    found = run_rank_loss([records(s, ranks=2) for s in range(1, 30)] + [records(30, ranks=2, loss={1: 9.0})])
+    assert all(f == () for f in found)
+
+
+def run_stragglers(windows: list[list[dict]], config: StragglerConfig = StragglerConfig()):
+    state, out = StragglerState(), []
+    for w in windows:
+        state, found = observe_stragglers(state, RankWindow.from_records(w), config)
+        out.append(found)
+    return state, out
+
+
+@pytest.mark.parametrize("slowdown", [1.10, 1.15, 1.30])
+def test_a_slow_rank_is_flagged_once_within_fifty_windows(slowdown: float) -> None:
+    state, found = run_stragglers([records(s, slow={3: slowdown}) for s in range(1, 80)])
+    flagged = [(i + 1, f.rank) for i, fs in enumerate(found) for f in fs]
+    assert len(flagged) == 1
+    step, rank = flagged[0]
+    assert rank == 3 and step <= 50
+    (finding,) = found[step - 1]
+    assert finding.node == "n3" and finding.signal in ("forward_s", "optimizer_s")
+    # the smoothed ratio at detection: past the threshold, not yet at the full slowdown
+    assert StragglerConfig().slow_ratio <= finding.value <= slowdown * 1.02
+
+
+def test_healthy_ranks_with_jitter_are_not_stragglers() -> None:
+    state, found = run_stragglers([records(s) for s in range(1, 200)])
+    assert all(f == () for f in found)
+    assert max(s.ratio for s in straggler_scores(state.smoothed, state.observed, StragglerConfig())) < 1.03
+
+
+def test_a_single_pause_does_not_make_a_straggler() -> None:
+    windows = [records(s) for s in range(1, 100)]
+    windows[60][1]["forward_s"] = 5.0  # a 500x stall, once
+    _, found = run_stragglers(windows)
+    assert all(f == () for f in found)
+
+
+def test_a_tiny_phase_is_not_judged() -> None:
+    windows = [records(s) for s in range(1, 80)]
+    for w in windows:
+        w[0]["data_wait_s"] = 0.01  # 10x its peers' data wait, but data wait is ~3% of the step
+    _, found = run_stragglers(windows)
+    assert all(f == () for f in found)
+
+
+def test_a_recovered_rank_can_be_flagged_again() -> None:
+    windows = [records(s, slow={1: 1.5}) for s in range(1, 60)]
+    windows += [records(s) for s in range(60, 260)]
+    windows += [records(s, slow={1: 1.5}) for s in range(260, 320)]
+    _, found = run_stragglers(windows)
+    assert sum(len(f) for f in found) == 2
+
+
+def test_straggler_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        StragglerConfig(slow_ratio=0.9)
+    with pytest.raises(ValueError):
+        StragglerConfig(phases=("compile",))
+    with pytest.raises(ValueError):
+        RankLossConfig(min_peers=2)
+
+
+def test_missing_timings_are_skipped() -> None:
+    windows = [records(s) for s in range(1, 40)]
+    for w in windows:
+        w[2]["forward_s"] = None
+    state, found = run_stragglers(windows)
+    assert all(f == () for f in found)
+    assert not math.isnan(float(np.sum(state.smoothed["forward"])))
