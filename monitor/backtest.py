@@ -132,7 +132,7 @@ def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataF
     return table, notes
 
 
-def _series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[StepPoint]:
+def series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[StepPoint]:
     """Fold rows into one point per (incarnation, step) window, in first-seen order."""
     incarnation_number = 0
     last_incarnation_value: str | None = None
@@ -197,7 +197,7 @@ def load_series(path: Path, mapping: Mapping[str, str], run: str | None) -> Load
     else:
         groups = [(run, table)]
     series = [
-        Series(name, tuple(_series_points(list(group.iter_rows(named=True)), "skipped" in table.columns)))
+        Series(name, tuple(series_points(list(group.iter_rows(named=True)), "skipped" in table.columns)))
         for name, group in groups
     ]
     return LoadedFile(series=series, notes=notes)

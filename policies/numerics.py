@@ -19,8 +19,9 @@ class NumericsConfig:
       updates by default in torch.amp.GradScaler), so 3 in 20 is far from normal; the
       BigScience tr8b-104B storm skipped 5 of 7.
     - ``scale_collapse_factor``: the loss scale fell 16x below its maximum over the last 20
-      windows (four halvings without recovery: tr1-13B fell 65536 -> 4096, tr8b-104B
-      1048576 -> 32768); ``scale_floor``: a scale at or below 1 leaves fp16 gradients no
+      steps of this incarnation (four halvings without recovery: tr1-13B fell 65536 -> 4096,
+      tr8b-104B 1048576 -> 32768); counted in steps, not logged rows, so a sparse log cannot
+      stretch the span. ``scale_floor``: a scale at or below 1 leaves fp16 gradients no
       headroom at all.
     - ``lr_relative_tolerance``: a schedule "advanced" when the learning rate changed by more
       than float32 rounding (1e-6 relative).
@@ -45,7 +46,8 @@ class NumericsConfig:
 @dataclass(frozen=True)
 class NumericsState:
     skips: tuple[bool, ...] = ()
-    scales: tuple[float, ...] = ()
+    scales: tuple[tuple[int, float], ...] = ()
+    """(step, loss scale) of this incarnation's last ``scale_window`` steps."""
     previous: StepPoint | None = None
 
 
@@ -123,9 +125,14 @@ def observe_numerics(
 ) -> tuple[NumericsState, tuple[Finding, ...]]:
     found = nonfinite_findings(point) + zero_token_findings(point)
     skips = (*state.skips, bool(point.skipped))[-config.skip_storm_window :]
-    scales = state.scales
+    # A restart restores the scale of an older checkpoint: a new span begins.
+    scales = () if point.restart else state.scales
     if point.loss_scale is not None and math.isfinite(point.loss_scale):
-        scales = (*scales, point.loss_scale)[-config.scale_window :]
+        scales = tuple(
+            (s, v)
+            for s, v in (*scales, (point.step, point.loss_scale))
+            if s >= point.step - config.scale_window
+        )
     found += _skip_storm(point, skips, config) + _scale_collapse(point, scales, config)
     previous = state.previous
     if previous is not None and not point.restart:
@@ -153,11 +160,11 @@ def _skip_storm(point: StepPoint, skips: tuple[bool, ...], config: NumericsConfi
 
 
 def _scale_collapse(
-    point: StepPoint, scales: tuple[float, ...], config: NumericsConfig
+    point: StepPoint, scales: tuple[tuple[int, float], ...], config: NumericsConfig
 ) -> tuple[Finding, ...]:
-    if not scales or point.loss_scale is None or point.loss_scale != scales[-1]:
+    if not scales or point.loss_scale is None or scales[-1][0] != point.step:
         return ()
-    current, peak = scales[-1], max(scales)
+    current, peak = scales[-1][1], max(v for _, v in scales)
     if current <= config.scale_floor:
         return (
             _finding(
@@ -180,7 +187,8 @@ def _scale_collapse(
             "loss_scale",
             current,
             peak / config.scale_collapse_factor,
-            f"loss scale fell from {peak:g} to {current:g} within {len(scales)} windows (step {point.step})",
+            f"loss scale fell from {peak:g} to {current:g} within {point.step - scales[0][0] + 1} steps "
+            f"(step {point.step})",
             peak=peak,
         ),
     )

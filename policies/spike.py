@@ -40,7 +40,7 @@ class SpikeConfig:
     min_relative: float = 0.05
     critical_factor: float = 2.0
     """A spike whose excess over the median is this many times the allowed excess is critical."""
-    cold_min_points: int = 2
+    cold_min_points: int = 1
     cold_ratio: float = 0.3
     shift_after: int = 8
     """Consecutive flagged windows that make a level shift (8: the BigScience tr8-104B loss

@@ -54,6 +54,20 @@ def test_loss_scale_collapse_by_factor_and_floor() -> None:
     assert finding.severity is Severity.CRITICAL
 
 
+def test_loss_scale_collapse_counts_steps_not_logged_rows() -> None:
+    sparse = [StepPoint(step=13251, loss_scale=524288.0), StepPoint(step=14000, loss_scale=4096.0)]
+    assert run(sparse) == [[], []]  # 750 steps apart: not one overflow storm
+    every_tenth = [
+        StepPoint(step=29040 + 10 * i, loss_scale=s) for i, s in enumerate([65536.0, 8192.0, 4096.0])
+    ]
+    assert run(every_tenth)[2] == ["loss_scale_collapse"]
+
+
+def test_a_restart_begins_a_new_scale_span() -> None:
+    points = [StepPoint(step=100, loss_scale=65536.0), StepPoint(step=90, loss_scale=2048.0, restart=True)]
+    assert run(points) == [[], []]
+
+
 def test_learning_rate_advancing_after_a_skip() -> None:
     points = [
         StepPoint(step=1, attempt=1, lr=1e-3, skipped=False),

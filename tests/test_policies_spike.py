@@ -56,12 +56,12 @@ def test_during_warm_up_only_a_gross_jump_is_judged() -> None:
     assert "cold-start" in finding.message
 
 
-def test_the_first_points_are_never_judged() -> None:
+def test_the_first_point_is_never_judged_and_the_second_only_for_a_gross_jump() -> None:
     state = SpikeState.empty(CONFIG)
-    state, found = observe_spike(state, StepPoint(step=0, loss=2.0), "loss", CONFIG)
+    state, found = observe_spike(state, StepPoint(step=0, loss=90.0), "loss", CONFIG)
     assert found == ()
-    state, found = observe_spike(state, StepPoint(step=1, loss=90.0), "loss", CONFIG)
-    assert found == ()  # one point is no baseline (cold_min_points=2)
+    assert observe_spike(state, StepPoint(step=1, loss=116.0), "loss", CONFIG)[1] == ()
+    assert len(observe_spike(state, StepPoint(step=1, loss=118.0), "loss", CONFIG)[1]) == 1
 
 
 def test_a_jump_that_stays_up_becomes_a_level_shift_then_a_new_normal() -> None:

@@ -1,0 +1,74 @@
+"""The real-curve corpus: public loss series with labels, scored case by case.
+
+- The two clean controls (Pythia-410M with five restarts, Megatron 15B) are streams: every
+  incident there is a false one, counted per 100,000 steps.
+- The BigScience excerpts are short and non-contiguous, so each labeled incident is scored
+  on its own rows (its ``incident_id``), not as part of a stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from monitor.backtest import load_series, normalize, series_points
+from policies.types import StepPoint
+
+CURVES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real-curves"
+BIGSCIENCE = "bigscience_chronicle_excerpts.csv"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    positive: bool
+    points: tuple[StepPoint, ...]
+    label: tuple[int, int] | None
+    split: str
+    note: str = ""
+
+
+def clean_controls() -> list[Case]:
+    cases = []
+    for name in ("pythia410m_seed2_clean_with_restarts.csv", "megatron_gpt3_15b_release_h100.csv"):
+        (series,) = load_series(CURVES / name, {}, None).series
+        cases.append(Case(name, "clean", False, series.points, None, "dev"))
+    return cases
+
+
+def _labels() -> pl.DataFrame:
+    labels = pl.read_csv(CURVES / "labels.csv")
+    return labels.filter(pl.col("file").str.starts_with(BIGSCIENCE)).with_columns(
+        pl.col("file").str.extract(r"run=([^\]]+)").alias("run")
+    )
+
+
+def bigscience_cases() -> list[Case]:
+    raw = pl.read_csv(CURVES / BIGSCIENCE, infer_schema=False)
+    table, _ = normalize(raw, {})
+    table = table.with_columns(raw["incident_id"].alias("incident_id"))
+    cases = []
+    for label in _labels().iter_rows(named=True):
+        rows = table.filter(
+            (pl.col("run") == label["run"])
+            & (pl.col("step") >= label["step_start"] - 50)
+            & (pl.col("step") <= label["step_end"] + 50)
+        )
+        ids = rows["incident_id"].unique().to_list()
+        rows = table.filter(pl.col("incident_id").is_in(ids))  # the whole excerpt of that incident
+        points = tuple(series_points(list(rows.iter_rows(named=True)), has_skipped=False))
+        cases.append(
+            Case(
+                name=f"{label['run']}:{ids[0] if ids else '?'}",
+                kind=label["kind"],
+                positive=bool(label["positive"]),
+                points=points,
+                label=(label["step_start"], label["step_end"]),
+                split="dev",
+                note=f"{len(points)} logged rows",
+            )
+        )
+    return cases
