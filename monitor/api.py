@@ -15,14 +15,15 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from monitor import queries
+from monitor import directives, queries
 from monitor.floats import dumps
-from monitor.ingest import ConflictError
-from monitor.schemas import BatchIn, RunCreateIn
+from monitor.ingest import ConflictError, InvalidRecord
+from monitor.schemas import BatchIn, DirectiveCreateIn, RunCreateIn
 from monitor.service import Service
 
 BATCH = TypeAdapter(BatchIn)
 RUN_CREATE = TypeAdapter(RunCreateIn)
+DIRECTIVE_CREATE = TypeAdapter(DirectiveCreateIn)
 
 
 class ApiError(Exception):
@@ -168,6 +169,10 @@ def create_app(service: Service) -> FastAPI:
         except ConflictError as exc:
             service.count(run, "rejected")
             raise ApiError(409, "conflict", str(exc), index=exc.index, key=exc.key) from exc
+        except InvalidRecord as exc:
+            service.count(run, "rejected")
+            problem = {"index": exc.index, "field": exc.field, "message": str(exc)}
+            raise ApiError(422, "invalid_record", str(exc), problems=[problem]) from exc
         except ApiError:
             service.count(run, "rejected")
             raise
@@ -191,6 +196,40 @@ def create_app(service: Service) -> FastAPI:
         run_id = require_run(request, run)
         with service.engine.connect() as connection:
             return json_response({"run": run, "findings": queries.list_findings(connection, run_id)})
+
+    @app.get("/v1/runs/{run}/directives")
+    def list_directives(run: str, request: Request, incarnation: str, rank: int) -> Response:
+        """What this rank of this incarnation has still to act on (the hooks poll this)."""
+        run_id = require_run(request, run)
+        with service.engine.connect() as connection:
+            pending = directives.pending_for(connection, run_id, incarnation, rank)
+        return json_response({"run": run, "directives": pending})
+
+    @app.post("/v1/runs/{run}/directives")
+    async def create_directive(run: str, request: Request) -> Response:
+        """Ask a run's hooks for something now (admin token): ``{"kind": "dump_stacks"}``."""
+        require_admin(request)
+        raw = await read_limited(request, 64 * 1024)
+        try:
+            body = DIRECTIVE_CREATE.validate_json(raw)
+        except ValidationError as exc:
+            raise ApiError(422, "invalid", str(exc.errors(include_url=False)[0]["msg"])) from exc
+
+        def create() -> int:
+            with service.engine.begin() as connection:
+                run_id = int(queries.run_row(connection, run).id)
+                return directives.create_directive(
+                    connection,
+                    run_id,
+                    body.kind,
+                    created_by="admin",
+                    now=service.clock(),
+                    incarnation=body.incarnation,
+                    ranks=body.ranks,
+                )
+
+        directive_id = await run_in_threadpool(create)
+        return json_response({"run": run, "directive": directive_id}, 201)
 
     @app.get("/v1/runs/{run}/incidents")
     def list_incidents(run: str, request: Request) -> Response:

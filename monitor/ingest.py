@@ -23,6 +23,14 @@ from monitor.floats import to_wire
 from monitor.schemas import HeartbeatIn, RunFinishIn, RunStartIn
 
 
+class InvalidRecord(Exception):
+    """A record that is well-formed but refers to something this run does not have."""
+
+    def __init__(self, index: int, field: str, message: str) -> None:
+        self.index, self.field = index, field
+        super().__init__(f"record {index}: field {field!r}: {message}")
+
+
 class ConflictError(Exception):
     """A record whose key is stored with other content."""
 
@@ -49,6 +57,8 @@ KEYED_TABLES: dict[str, TableSpec] = {
     "link_sample": TableSpec(models.table_of(models.LinkSample), ("node", "device", "port", "seq")),
     "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), ("path",), flat=False),
     "resume": TableSpec(models.table_of(models.ResumeEvent), ("incarnation", "rank")),
+    "stack_dump": TableSpec(models.table_of(models.StackDump), ("incarnation", "rank", "time")),
+    "directive_ack": TableSpec(models.table_of(models.DirectiveAck), ("directive_id", "incarnation", "rank")),
 }
 
 
@@ -90,6 +100,8 @@ def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], no
     by_kind: dict[str, list[tuple[int, Any]]] = defaultdict(list)
     for index, record in enumerate(records):
         by_kind[record.kind].append((index, record))
+    if "directive_ack" in by_kind:
+        _check_directives(connection, run_id, by_kind["directive_ack"])
     for kind, indexed in by_kind.items():
         if kind in KEYED_TABLES:
             stored = _ingest_keyed(connection, run_id, kind, indexed, now, result)
@@ -104,6 +116,19 @@ def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], no
         result.by_kind[kind] = stored
         result.accepted += stored
     return result
+
+
+def _check_directives(connection: Connection, run_id: int, indexed: list[tuple[int, Any]]) -> None:
+    table = models.table_of(models.Directive)
+    wanted = {record.directive_id for _, record in indexed}
+    known = set(
+        connection.execute(
+            sa.select(table.c.id).where(table.c.run_id == run_id, table.c.id.in_(wanted))
+        ).scalars()
+    )
+    for index, record in indexed:
+        if record.directive_id not in known:
+            raise InvalidRecord(index, "directive_id", f"no directive {record.directive_id} for this run")
 
 
 def _ingest_keyed(

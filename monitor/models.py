@@ -312,6 +312,65 @@ class FindingRow(Base):
     created_at: Mapped[float]
 
 
+class Directive(Base):
+    """An instruction to a run's hooks: dump stacks now, or (later) act at a named step."""
+
+    __tablename__ = "directives"
+    __table_args__ = (sa.Index("ix_directives_run_status", "run_id", "status"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    incarnation: Mapped[str | None] = mapped_column(sa.String(64))
+    ranks: Mapped[list[Any] | None]
+    act_at_step: Mapped[int | None]
+    payload: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(sa.String(16))
+    incident_id: Mapped[int | None] = mapped_column(sa.ForeignKey("incidents.id", ondelete="SET NULL"))
+    created_by: Mapped[str] = mapped_column(sa.String(200))
+    created_at: Mapped[float]
+
+
+class DirectiveAck(Base):
+    """A rank's acknowledgement of a directive. Key: (directive, incarnation, rank)."""
+
+    __tablename__ = "directive_acks"
+    __table_args__ = (sa.UniqueConstraint("run_id", "directive_id", "incarnation", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    directive_id: Mapped[int] = mapped_column(sa.ForeignKey("directives.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    status: Mapped[str] = mapped_column(sa.String(16))
+    step: Mapped[int | None]
+    detail: Mapped[dict[str, Any] | None]
+    time: Mapped[float]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
+class StackDump(Base):
+    """All Python thread stacks of one rank (and the NCCL flight recorder when enabled).
+
+    Key: (run, incarnation, rank, time).
+    """
+
+    __tablename__ = "stack_dumps"
+    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank", "time"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    directive_id: Mapped[int | None]
+    time: Mapped[float]
+    stacks: Mapped[str] = mapped_column(sa.Text)
+    flight_recorder: Mapped[str | None] = mapped_column(sa.Text)
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+
+
 def table_of(model: type[Base]) -> sa.Table:
     """A model's Core table, typed as one (``__table__`` is typed as a generic FromClause)."""
     table = model.__table__

@@ -148,8 +148,42 @@ class ResumeIn(_Record):
     checkpoint_step: Count | None = None
 
 
+class StackDumpIn(_Record):
+    """All Python thread stacks of one rank, sent on a ``dump_stacks`` directive."""
+
+    kind: Literal["stack_dump"]
+    incarnation: IncarnationId
+    rank: Count
+    time: Real
+    stacks: Annotated[str, Field(max_length=4_000_000)]
+    directive_id: Count | None = None
+    flight_recorder: Annotated[str, Field(max_length=16_000_000)] | None = None
+
+
+class DirectiveAckIn(_Record):
+    """A rank's answer to a directive: done, missed (already past its step) or failed."""
+
+    kind: Literal["directive_ack"]
+    directive_id: Count
+    incarnation: IncarnationId
+    rank: Count
+    time: Real
+    status: Literal["done", "missed", "failed"]
+    step: Count | None = None
+    detail: dict[str, Any] | None = None
+
+
 RecordIn = Annotated[
-    StepIn | HeartbeatIn | RunStartIn | RunFinishIn | DeviceSampleIn | LinkSampleIn | CheckpointIn | ResumeIn,
+    StepIn
+    | HeartbeatIn
+    | RunStartIn
+    | RunFinishIn
+    | DeviceSampleIn
+    | LinkSampleIn
+    | CheckpointIn
+    | ResumeIn
+    | StackDumpIn
+    | DirectiveAckIn,
     Field(discriminator="kind"),
 ]
 
@@ -162,6 +196,8 @@ RECORD_KINDS = (
     "link_sample",
     "checkpoint",
     "resume",
+    "stack_dump",
+    "directive_ack",
 )
 
 
@@ -175,3 +211,11 @@ class RunCreateIn(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+
+
+class DirectiveCreateIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    kind: Literal["dump_stacks"]
+    incarnation: IncarnationId | None = None
+    ranks: list[Count] | None = None

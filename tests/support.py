@@ -23,6 +23,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
+from monitor.directives import create_directive
 from monitor import cli, queries
 from monitor.models import Base
 
@@ -233,8 +234,11 @@ def steps(count: int, ranks: int = 1, first_attempt: int = 0) -> list[dict[str, 
     ]
 
 
-def record_of_each_kind() -> list[dict[str, Any]]:
-    """One valid record of every kind the ingest API takes, in ``RECORD_KINDS`` order."""
+def record_of_each_kind(directive_id: int = 1) -> list[dict[str, Any]]:
+    """One valid record of every kind the ingest API takes, in ``RECORD_KINDS`` order.
+
+    The ``directive_ack`` answers ``directive_id``, which must exist for the run.
+    """
     return [
         step_record(node="node-0", device_uuid="GPU-0", sample_ids=[1, "shard-3:17"]),
         {
@@ -307,6 +311,22 @@ def record_of_each_kind() -> list[dict[str, Any]]:
             "checkpoint_path": "/ckpt/step-0",
             "checkpoint_step": 0,
         },
+        {
+            "kind": "stack_dump",
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "time": 1002.0,
+            "stacks": "Thread 0x1 (most recent call first):\n  File \"train.py\", line 10 in step\n",
+            "directive_id": directive_id,
+        },
+        {
+            "kind": "directive_ack",
+            "directive_id": directive_id,
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "time": 1003.0,
+            "status": "done",
+        },
     ]
 
 
@@ -339,6 +359,8 @@ class RunHandle:
     name: str
     id: int
     token: str
+    directive_id: int
+    """A pending ``dump_stacks`` directive of this run, for records that answer one."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -353,7 +375,8 @@ def make_run(store: Engine, name: str) -> RunHandle:
     with store.begin() as connection:
         token = queries.create_run(connection, name)
         run_id = int(queries.run_row(connection, name).id)
-    return RunHandle(name=name, id=run_id, token=token)
+        directive_id = create_directive(connection, run_id, "dump_stacks", created_by="tests", now=0.0)
+    return RunHandle(name=name, id=run_id, token=token, directive_id=directive_id)
 
 
 def run_cli(argv: list[str]) -> int:

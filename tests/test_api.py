@@ -178,7 +178,7 @@ def test_nested_field_is_named_by_its_path(
     client: TestClient, store: Engine, run: RunHandle
 ) -> None:
     before = snapshot(store)
-    checkpoint = record_of_each_kind()[6]
+    checkpoint = record_of_each_kind(run.directive_id)[6]
     checkpoint["manifest"]["files"][0]["sha256"] = "not-a-digest"
     body = assert_rejected(
         post(client, run, batch(checkpoint)), 422, "invalid_record", store, before
@@ -200,7 +200,7 @@ def test_one_bad_record_rejects_the_whole_batch(
     client: TestClient, store: Engine, run: RunHandle
 ) -> None:
     before = snapshot(store)
-    records = [*record_of_each_kind()[1:], *steps(3, ranks=2)]
+    records = [*record_of_each_kind(run.directive_id)[1:], *steps(3, ranks=2)]
     assert records[5]["kind"] == "checkpoint"
     records[5] = {**records[5], "step": "seven"}
     body = assert_rejected(post(client, run, batch(*records)), 422, "invalid_record", store, before)
@@ -286,7 +286,7 @@ def test_admin_token_may_write_any_run(
 
 
 def test_unknown_run_is_404(client: TestClient, store: Engine, run: RunHandle) -> None:
-    missing = RunHandle(name="no-such-run", id=0, token=run.token)
+    missing = RunHandle(name="no-such-run", id=0, token=run.token, directive_id=0)
     before = snapshot(store)
     assert_rejected(post(client, missing, batch(step_record())), 404, "not_found", store, before)
 
@@ -322,7 +322,7 @@ def test_conflicting_duplicate_is_409_and_stores_nothing_of_its_batch(
 ) -> None:
     assert post(client, run, batch(*steps(3))).status_code == 200
     before = snapshot(store)
-    fresh_sample = record_of_each_kind()[4]
+    fresh_sample = record_of_each_kind(run.directive_id)[4]
     records = [step_record(attempt=3), fresh_sample, step_record(attempt=1, loss_sum=99.0)]
     body = assert_rejected(post(client, run, batch(*records)), 409, "conflict", store, before)
     assert body["index"] == 2
@@ -346,11 +346,11 @@ def test_conflict_inside_one_batch_is_409(
 def test_every_kind_is_accepted_and_idempotent(
     client: TestClient, store: Engine, run: RunHandle
 ) -> None:
-    first = post(client, run, batch(*record_of_each_kind()))
+    first = post(client, run, batch(*record_of_each_kind(run.directive_id)))
     assert first.status_code == 200, first.text
     assert first.json()["by_kind"] == dict.fromkeys(RECORD_KINDS, 1)
     before = snapshot(store)
-    again = post(client, run, batch(*record_of_each_kind()))
+    again = post(client, run, batch(*record_of_each_kind(run.directive_id)))
     assert again.status_code == 200
     assert again.json()["duplicates"] == len(RECORD_KINDS) - 1  # a heartbeat just refreshes
     assert snapshot(store) == before
@@ -363,7 +363,7 @@ def test_every_kind_is_accepted_and_idempotent(
 def test_checkpoint_manifest_and_nonfinite_metrics_are_kept(
     client: TestClient, store: Engine, run: RunHandle
 ) -> None:
-    checkpoint = {**record_of_each_kind()[6], "metrics": {"loss": "NaN", "grad_norm": 1.5}}
+    checkpoint = {**record_of_each_kind(run.directive_id)[6], "metrics": {"loss": "NaN", "grad_norm": 1.5}}
     assert post(client, run, batch(checkpoint)).status_code == 200
     with store.connect() as connection:
         row = connection.execute(sa.select(models.CheckpointEvent.__table__)).mappings().one()
@@ -520,7 +520,7 @@ def test_admin_creates_a_run_whose_token_writes_it(
     created = client.post("/v1/runs", json={"name": "run-new"}, headers=admin_headers)
     assert created.status_code == 201
     token = created.json()["token"]
-    new_run = RunHandle(name="run-new", id=0, token=token)
+    new_run = RunHandle(name="run-new", id=0, token=token, directive_id=0)
     assert post(client, new_run, batch(step_record())).status_code == 200
     again = client.post("/v1/runs", json={"name": "run-new"}, headers=admin_headers)
     assert again.status_code == 409

@@ -60,9 +60,9 @@ def only_summary(store: Engine) -> dict[str, Any]:
 
 @both_backends
 def test_every_kind_is_stored_and_counted(store: Engine, run: RunHandle) -> None:
-    result = ingest(store, run, record_of_each_kind())
+    result = ingest(store, run, record_of_each_kind(run.directive_id))
     assert result.by_kind == dict.fromkeys(RECORD_KINDS, 1)
-    assert (result.accepted, result.duplicates) == (8, 0)
+    assert (result.accepted, result.duplicates) == (len(RECORD_KINDS), 0)
     counts = table_counts(store)
     for table in ("step_records", "heartbeats", "incarnations", "device_samples"):
         assert counts[table] == 1, table
@@ -72,9 +72,9 @@ def test_every_kind_is_stored_and_counted(store: Engine, run: RunHandle) -> None
 
 @both_backends
 def test_resent_batch_is_all_duplicates_and_changes_nothing(store: Engine, run: RunHandle) -> None:
-    ingest(store, run, record_of_each_kind())
+    ingest(store, run, record_of_each_kind(run.directive_id))
     before = snapshot(store)
-    again = ingest(store, run, record_of_each_kind())
+    again = ingest(store, run, record_of_each_kind(run.directive_id))
     # Heartbeats are not keyed records: the same one again is a no-op update, not a duplicate.
     assert again.duplicates == len(RECORD_KINDS) - 1
     assert again.new_steps == []
@@ -125,7 +125,7 @@ def test_same_key_in_another_run_is_another_record(store: Engine, run: RunHandle
 
 @pytest.mark.parametrize("kind", ["device_sample", "link_sample", "checkpoint", "resume"])
 def test_keyed_kinds_conflict_on_changed_content(store: Engine, run: RunHandle, kind: str) -> None:
-    [record] = [r for r in record_of_each_kind() if r["kind"] == kind]
+    [record] = [r for r in record_of_each_kind(run.directive_id) if r["kind"] == kind]
     ingest(store, run, [record])
     with pytest.raises(ConflictError) as conflict:
         ingest(store, run, [{**record, "time": record["time"] + 1}])

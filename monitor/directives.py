@@ -1,0 +1,94 @@
+"""Directives: instructions from the service to a run's hooks, and their acknowledgements.
+
+A hook polls ``GET /v1/runs/{run}/directives`` off its training step; a directive applies to
+an incarnation (or any) and to some ranks (or all). ``dump_stacks`` acts at once; directives
+that must act at one step on every rank name ``act_at_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from monitor import models
+
+DIRECTIVE = models.table_of(models.Directive)
+ACK = models.table_of(models.DirectiveAck)
+
+KINDS = ("dump_stacks",)
+
+
+def create_directive(
+    connection: Connection,
+    run_id: int,
+    kind: str,
+    *,
+    created_by: str,
+    now: float,
+    incarnation: str | None = None,
+    ranks: Sequence[int] | None = None,
+    act_at_step: int | None = None,
+    payload: dict[str, Any] | None = None,
+    incident_id: int | None = None,
+) -> int:
+    result = connection.execute(
+        DIRECTIVE.insert().returning(DIRECTIVE.c.id),
+        {
+            "run_id": run_id,
+            "kind": kind,
+            "incarnation": incarnation,
+            "ranks": list(ranks) if ranks is not None else None,
+            "act_at_step": act_at_step,
+            "payload": payload or {},
+            "status": "pending",
+            "incident_id": incident_id,
+            "created_by": created_by,
+            "created_at": now,
+        },
+    )
+    return int(result.scalar_one())
+
+
+def pending_for(connection: Connection, run_id: int, incarnation: str, rank: int) -> list[dict[str, Any]]:
+    """The pending directives this rank of this incarnation has not answered yet."""
+    answered = sa.select(ACK.c.directive_id).where(
+        ACK.c.run_id == run_id, ACK.c.incarnation == incarnation, ACK.c.rank == rank
+    )
+    rows = connection.execute(
+        sa.select(DIRECTIVE)
+        .where(
+            DIRECTIVE.c.run_id == run_id,
+            DIRECTIVE.c.status == "pending",
+            sa.or_(DIRECTIVE.c.incarnation.is_(None), DIRECTIVE.c.incarnation == incarnation),
+            DIRECTIVE.c.id.not_in(answered),
+        )
+        .order_by(DIRECTIVE.c.id)
+    ).mappings()
+    return [directive_view(row) for row in rows if row["ranks"] is None or rank in row["ranks"]]
+
+
+def directive_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "kind": row["kind"],
+        "incarnation": row["incarnation"],
+        "ranks": row["ranks"],
+        "act_at_step": row["act_at_step"],
+        "payload": row["payload"],
+        "status": row["status"],
+        "incident": row["incident_id"],
+        "created_by": row["created_by"],
+        "created_at": row["created_at"],
+    }
+
+
+def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int | None) -> bool:
+    query = sa.select(DIRECTIVE.c.id).where(
+        DIRECTIVE.c.run_id == run_id, DIRECTIVE.c.kind == kind, DIRECTIVE.c.status == "pending"
+    )
+    if incident_id is not None:
+        query = query.where(DIRECTIVE.c.incident_id == incident_id)
+    return connection.execute(query.limit(1)).first() is not None

@@ -1,0 +1,85 @@
+"""Directives: created by the service, polled by each rank, answered once."""
+
+from fastapi.testclient import TestClient
+
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, batch
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def pending(client: TestClient, run: RunHandle, rank: int, incarnation: str = INCARNATION) -> list[int]:
+    response = client.get(
+        f"/v1/runs/{run.name}/directives",
+        params={"incarnation": incarnation, "rank": rank},
+        headers=run.headers,
+    )
+    assert response.status_code == 200, response.text
+    return [d["id"] for d in response.json()["directives"]]
+
+
+def test_a_directive_reaches_its_ranks_until_each_answers(client: TestClient, run: RunHandle) -> None:
+    created = client.post(
+        f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks", "ranks": [1, 2]}, headers=ADMIN
+    )
+    assert created.status_code == 201
+    new = created.json()["directive"]
+    assert new in pending(client, run, 1) and new in pending(client, run, 2)
+    assert new not in pending(client, run, 0)
+    ack = {
+        "kind": "directive_ack",
+        "directive_id": new,
+        "incarnation": INCARNATION,
+        "rank": 1,
+        "time": 1.0,
+        "status": "done",
+    }
+    dump = {
+        "kind": "stack_dump",
+        "incarnation": INCARNATION,
+        "rank": 1,
+        "time": 1.0,
+        "stacks": "Thread ...",
+        "directive_id": new,
+    }
+    assert client.post(run.records_path, json=batch(dump, ack), headers=run.headers).status_code == 200
+    assert new not in pending(client, run, 1)
+    assert new in pending(client, run, 2)
+
+
+def test_an_incarnation_scoped_directive_skips_other_incarnations(client: TestClient, run: RunHandle) -> None:
+    created = client.post(
+        f"/v1/runs/{run.name}/directives",
+        json={"kind": "dump_stacks", "incarnation": INCARNATION},
+        headers=ADMIN,
+    ).json()["directive"]
+    assert created in pending(client, run, 0)
+    assert created not in pending(client, run, 0, incarnation="another")
+
+
+def test_an_ack_for_an_unknown_directive_is_422_and_stores_nothing(
+    client: TestClient, run: RunHandle
+) -> None:
+    ack = {
+        "kind": "directive_ack",
+        "directive_id": 9999,
+        "incarnation": INCARNATION,
+        "rank": 0,
+        "time": 1.0,
+        "status": "done",
+    }
+    response = client.post(run.records_path, json=batch(ack), headers=run.headers)
+    assert response.status_code == 422
+    assert response.json()["problems"][0] == {
+        "index": 0,
+        "field": "directive_id",
+        "message": response.json()["problems"][0]["message"],
+    }
+
+
+def test_only_the_admin_creates_directives(client: TestClient, run: RunHandle) -> None:
+    response = client.post(
+        f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=run.headers
+    )
+    assert response.status_code == 403
+    response = client.post(f"/v1/runs/{run.name}/directives", json={"kind": "reboot"}, headers=ADMIN)
+    assert response.status_code == 422
