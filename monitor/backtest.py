@@ -161,8 +161,15 @@ def series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[Ste
     seen: set[int] = set()
     for (number, _), summary in windows.items():
         point = point_from_summary(summary, restart=number not in seen and number > 0)
-        # A file has no attempt counter, and a missing skipped column is "not logged".
-        yield replace(point, attempt=None, skipped=point.skipped if has_skipped else None)
+        # A file has no attempt counter, a missing skipped column is "not logged", and a file's
+        # per-rank losses are not what the trainer reported (no normalization audit).
+        yield replace(
+            point,
+            attempt=None,
+            skipped=point.skipped if has_skipped else None,
+            reported_loss=None,
+            naive_loss=None,
+        )
         seen.add(number)
 
 

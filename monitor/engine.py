@@ -1,14 +1,17 @@
 """The engine: judges each window once its ranks have reported, records findings, and
 groups them into incidents.
 
-Policies are pure (``policies.series``); this module feeds them in step order, keeps their
-state per run in memory (rebuilt from the newest judged windows after a restart, never from
-all of history), and persists what they find.
+Policies are pure (``policies/``); this module feeds them in step order, keeps their state
+per run in memory (rebuilt from the newest judged windows after a restart, never from all
+of history), and persists what they find. Whole-step signals are judged once per window;
+per-rank signals are vectorised over the window's records.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,42 +20,65 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor import models
-from policies.incidents import extend, matching_incident, open_incident
+from monitor.incidents import IncidentRecorder
+from policies.hangs import HangConfig
+from policies.numerics import nonfinite_findings
+from policies.peers import RankWindow
+from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
 from policies.series import SeriesConfig, SeriesState, observe_step
-from policies.types import Finding, IncidentView, Severity, StepPoint
+from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers
+from policies.types import Finding, Severity, StepPoint
 
 SUMMARY = models.table_of(models.StepSummary)
-INCIDENT = models.table_of(models.Incident)
-FINDING = models.table_of(models.FindingRow)
+STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
+
+RANK_COLUMNS = (
+    "incarnation", "rank", "attempt", "step", "node", "device_uuid", "tp_rank", "pp_rank", "cp_rank",
+    "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
+    "data_wait_s", "forward_s", "backward_s", "optimizer_s",
+)  # fmt: skip
+
+# More ranks than this nonfinite in one window is reported as a count, not rank by rank.
+MAX_NAMED_RANKS = 8
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine decides a window is ready to judge.
+    """How the engine decides a window is ready to judge, and every policy's config.
 
     ``watermark_attempts``: a window is judged with the ranks it has once a window this many
     attempts later has arrived, so a dead rank cannot stall judgement (2: one window of
     slack for ranks that finish a step late, one more for the sender's batching).
+    ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
+    does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
     """
 
     series: SeriesConfig = field(default_factory=SeriesConfig)
+    rank_loss: RankLossConfig = field(default_factory=RankLossConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    hangs: HangConfig = field(default_factory=HangConfig)
     watermark_attempts: int = 2
+    cached_windows: int = 1024
 
     def __post_init__(self) -> None:
-        if self.watermark_attempts < 1:
-            raise ValueError("EngineConfig.watermark_attempts must be >= 1")
+        if self.watermark_attempts < 1 or self.cached_windows < 1:
+            raise ValueError("EngineConfig: watermark_attempts >= 1, cached_windows >= 1")
 
 
 def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
     tokens = summary["tokens"]
     loss_sum = summary["loss_sum"]
+    reported = (
+        summary["reported_loss_sum"] / summary["reported_loss_count"]
+        if summary["reported_loss_count"]
+        else None
+    )
     if tokens and loss_sum is not None:
         loss: float | None = loss_sum / tokens  # the token-weighted mean over all ranks
-    elif summary["reported_loss_count"]:
-        loss = summary["reported_loss_sum"] / summary["reported_loss_count"]
     else:
-        loss = None
+        loss = reported
+    rank_means = summary.get("rank_mean_count") or 0
     return StepPoint(
         step=summary["step"],
         loss=loss,
@@ -64,14 +90,24 @@ def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
         incarnation=summary["incarnation"],
         attempt=summary["attempt"],
         restart=restart,
+        consumed=summary["consumed"],
+        ranks=summary["ranks_reported"],
+        reported_loss=reported,
+        naive_loss=summary["rank_mean_sum"] / rank_means if rank_means else None,
+        min_rank_tokens=summary.get("min_rank_tokens"),
+        max_rank_tokens=summary.get("max_rank_tokens"),
     )
 
 
 @dataclass
 class _RunState:
     series: SeriesState
+    rank_loss: RankLossState
+    stragglers: StragglerState = field(default_factory=StragglerState)
     last_incarnation: str | None = None
+    last_step: int = 0
     world_size: dict[str, int] = field(default_factory=dict)
+    pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
 
 
 class PolicyEngine:
@@ -82,31 +118,74 @@ class PolicyEngine:
         self._config = config
         self._clock = clock
         self._states: dict[int, _RunState] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.incidents = IncidentRecorder(config.series.grouping, clock)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    def last_step(self, run_id: int) -> int:
+        state = self._states.get(run_id)
+        return state.last_step if state is not None else 0
+
+    def note_steps(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Keep a batch's new step records for judging their windows without a read-back."""
+        with self._lock:
+            state = self._states.get(run_id)
+            if state is None:
+                return  # the first judge() rebuilds state and reads what it needs
+            for row in rows:
+                state.pending.setdefault((row["incarnation"], row["attempt"]), []).append(row)
+            while len(state.pending) > self._config.cached_windows:
+                state.pending.popitem(last=False)
 
     def judge(self, run_id: int) -> list[int]:
         """Judge every ready window of one run; returns the incidents opened or updated."""
         with self._lock, self._engine.begin() as connection:
-            state = self._states.get(run_id) or self._rebuild(connection, run_id)
-            self._states[run_id] = state
+            state = self._state(connection, run_id)
             ready = self._ready(connection, run_id, state)
             touched: list[int] = []
             for summary in ready:
-                restart = state.last_incarnation not in (None, summary["incarnation"])
-                point = point_from_summary(summary, restart)
-                state.last_incarnation = summary["incarnation"]
-                state.series, findings = observe_step(state.series, point, self._config.series)
-                touched.extend(self._record(connection, run_id, findings))
+                findings = self._judge_window(connection, run_id, state, summary)
+                touched += self.incidents.record(connection, run_id, findings, summary["step"])
             if ready:
                 connection.execute(
                     SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in ready])).values(judged=True)
                 )
             return sorted(set(touched))
 
+    def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Records whose window was judged before they arrived (replayed from a spool): judged
+        on their own and against their window's peers; their findings join open incidents."""
+        if not rows:
+            return []
+        with self._lock, self._engine.begin() as connection:
+            state = self._state(connection, run_id)
+            findings: list[Finding] = []
+            windows: dict[tuple[str, int], set[int]] = {}
+            for row in rows:
+                windows.setdefault((row["incarnation"], row["attempt"]), set()).add(row["rank"])
+            for (incarnation, attempt), ranks in windows.items():
+                window = RankWindow.from_records(self._window_rows(connection, run_id, incarnation, attempt))
+                findings += [f for f in _rank_nonfinite(window) if f.rank in ranks or f.rank is None]
+                _, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
+                findings += [f for f in outliers if f.rank in ranks]
+            return self.incidents.record(connection, run_id, findings, state.last_step)
+
     def forget(self, run_id: int) -> None:
-        self._states.pop(run_id, None)
+        with self._lock:
+            self._states.pop(run_id, None)
+
+    def _state(self, connection: Connection, run_id: int) -> _RunState:
+        state = self._states.get(run_id)
+        if state is None:
+            state = self._rebuild(connection, run_id)
+            self._states[run_id] = state
+        return state
 
     def _rebuild(self, connection: Connection, run_id: int) -> _RunState:
+        """Series state from the newest judged windows; per-rank state warms up anew."""
         depth = self._config.series.loss_spike.window
         rows = connection.execute(
             sa.select(SUMMARY)
@@ -114,13 +193,46 @@ class PolicyEngine:
             .order_by(SUMMARY.c.id.desc())
             .limit(depth)
         ).mappings()
-        state = _RunState(series=SeriesState.empty(self._config.series))
+        state = _RunState(
+            series=SeriesState.empty(self._config.series),
+            rank_loss=RankLossState.empty(self._config.rank_loss),
+        )
         for summary in reversed(list(rows)):
             restart = state.last_incarnation not in (None, summary["incarnation"])
             state.last_incarnation = summary["incarnation"]
+            state.last_step = summary["step"]
             point = point_from_summary(dict(summary), restart)
             state.series, _ = observe_step(state.series, point, self._config.series)
         return state
+
+    def _judge_window(
+        self, connection: Connection, run_id: int, state: _RunState, summary: dict[str, Any]
+    ) -> list[Finding]:
+        restart = state.last_incarnation not in (None, summary["incarnation"])
+        point = point_from_summary(summary, restart)
+        state.last_incarnation = summary["incarnation"]
+        state.last_step = summary["step"]
+        state.series, found = observe_step(state.series, point, self._config.series)
+        findings = list(found)
+        key = (summary["incarnation"], summary["attempt"])
+        rows = state.pending.pop(key, None)
+        if rows is None or len(rows) != summary["ranks_reported"]:
+            rows = self._window_rows(connection, run_id, *key)
+        if rows:
+            window = RankWindow.from_records(rows)
+            findings += _rank_nonfinite(window)
+            state.rank_loss, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
+            state.stragglers, slow = observe_stragglers(state.stragglers, window, self._config.stragglers)
+            findings += list(outliers) + list(slow)
+        return findings
+
+    def _window_rows(
+        self, connection: Connection, run_id: int, incarnation: str, attempt: int
+    ) -> list[dict[str, Any]]:
+        query = sa.select(*[STEP.c[name] for name in RANK_COLUMNS]).where(
+            STEP.c.run_id == run_id, STEP.c.incarnation == incarnation, STEP.c.attempt == attempt
+        )
+        return [dict(row) for row in connection.execute(query).mappings()]
 
     def _ready(self, connection: Connection, run_id: int, state: _RunState) -> list[dict[str, Any]]:
         pending = [
@@ -177,84 +289,42 @@ class PolicyEngine:
             seen = max(s["ranks_reported"] for s in summaries)
             state.world_size[incarnation] = max(state.world_size.get(incarnation, 1), seen)
 
-    def _record(self, connection: Connection, run_id: int, findings: Sequence[Finding]) -> list[int]:
-        touched = []
-        for finding in findings:
-            incident_id = self._attach(connection, run_id, finding)
-            connection.execute(FINDING.insert(), finding_row(run_id, incident_id, finding, self._clock()))
-            touched.append(incident_id)
-        return touched
 
-    def _attach(self, connection: Connection, run_id: int, finding: Finding) -> int:
-        now = self._clock()
-        open_rows = connection.execute(
-            sa.select(INCIDENT).where(INCIDENT.c.run_id == run_id, INCIDENT.c.status == "open")
-        ).mappings()
-        views = {row["id"]: _view(row) for row in open_rows}
-        match = matching_incident(finding, views.values(), self._config.series.grouping)
-        if match is None:
-            view = open_incident(0, finding)
-            result = connection.execute(
-                INCIDENT.insert().returning(INCIDENT.c.id),
-                {
-                    "run_id": run_id,
-                    "kind": view.kind,
-                    "severity": view.severity.value,
-                    "status": "open",
-                    "first_step": view.first_step,
-                    "last_step": view.last_step,
-                    "incarnation": finding.incarnation,
-                    "summary": finding.message,
-                    "ranks": [] if finding.rank is None else [finding.rank],
-                    "nodes": [],
-                    "devices": [],
-                    "finding_count": 1,
-                    "opened_at": now,
-                    "updated_at": now,
-                    "closed_at": None,
-                },
+def _rank_nonfinite(window: RankWindow) -> list[Finding]:
+    """Name the ranks whose own loss, grad norm or loss scale is nonfinite (a NaN on one rank is
+    usually that rank's data or device; a NaN everywhere is the all-reduce spreading it)."""
+    found = []
+    for index, rank in enumerate(window.ranks.tolist()):
+        loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
+        loss = loss_sum / tokens if tokens > 0 else (loss_sum if not math.isfinite(loss_sum) else None)
+        point = StepPoint(step=window.step, loss=loss, incarnation=window.incarnation, attempt=window.attempt)
+        found += [
+            Finding(
+                **{
+                    **f.__dict__,
+                    "rank": rank,
+                    "node": window.nodes[index],
+                    "device": window.devices[index],
+                    "message": f"rank {rank}: {f.message}",
+                    "evidence": {"sample_ids": list(window.sample_ids[index] or [])[:64]},
+                }
             )
-            return int(result.scalar_one())
-        grown = extend(match, finding)
-        connection.execute(
-            INCIDENT.update()
-            .where(INCIDENT.c.id == match.key)
-            .values(
-                severity=grown.severity.value,
-                first_step=grown.first_step,
-                last_step=grown.last_step,
-                finding_count=grown.finding_count,
-                updated_at=now,
+            for f in nonfinite_findings(point)
+        ]
+    if len(found) > MAX_NAMED_RANKS:
+        first = found[0]
+        return [
+            Finding(
+                step=first.step,
+                kind="nonfinite",
+                severity=Severity.CRITICAL,
+                signal="loss",
+                value=first.value,
+                threshold=None,
+                incarnation=first.incarnation,
+                attempt=first.attempt,
+                message=f"{len(found)} ranks have a nonfinite loss at step {first.step}",
+                evidence={"ranks": len(found)},
             )
-        )
-        return match.key
-
-
-def _view(row: Any) -> IncidentView:
-    return IncidentView(
-        key=row["id"],
-        kind=row["kind"],
-        severity=Severity(row["severity"]),
-        first_step=row["first_step"],
-        last_step=row["last_step"],
-        finding_count=row["finding_count"],
-    )
-
-
-def finding_row(run_id: int, incident_id: int | None, finding: Finding, now: float) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "incident_id": incident_id,
-        "incarnation": finding.incarnation,
-        "attempt": finding.attempt,
-        "step": finding.step,
-        "rank": finding.rank,
-        "kind": finding.kind,
-        "severity": finding.severity.value,
-        "signal": finding.signal,
-        "value": finding.value,
-        "threshold": finding.threshold,
-        "message": finding.message,
-        "evidence": dict(finding.evidence),
-        "created_at": now,
-    }
+        ]
+    return found

@@ -67,7 +67,8 @@ class IngestResult:
     accepted: int = 0
     duplicates: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
-    new_steps: list[dict[str, Any]] = field(default_factory=list)
+    new_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The newly stored rows of each keyed kind, for the engine (duplicates excluded)."""
 
     def as_json(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "duplicates": self.duplicates, "by_kind": self.by_kind}
@@ -163,8 +164,7 @@ def _ingest_keyed(
                 raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
             result.duplicates += 1
         rows = [row for key, (_, row) in fresh.items() if key in inserted]
-    if kind == "step":
-        result.new_steps.extend(rows)
+    result.new_rows.setdefault(kind, []).extend(rows)
     return len(rows)
 
 

@@ -158,6 +158,11 @@ class StepSummary(Base):
     loss_scale: Mapped[float | None]
     skipped_ranks: Mapped[int] = mapped_column(default=0)
     consumed: Mapped[int | None] = mapped_column(sa.BigInteger)
+    # For the loss-normalization audit: the sum of per-rank token means and the token spread.
+    rank_mean_sum: Mapped[float | None]
+    rank_mean_count: Mapped[int] = mapped_column(default=0, server_default="0")
+    min_rank_tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
+    max_rank_tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
     first_time: Mapped[float]
     last_time: Mapped[float]
     judged: Mapped[bool] = mapped_column(default=False)
@@ -284,6 +289,10 @@ class Incident(Base):
     nodes: Mapped[list[Any]]
     devices: Mapped[list[Any]]
     finding_count: Mapped[int]
+    # The newest step the engine had judged when it opened this incident (detection delay).
+    detected_step: Mapped[int | None]
+    # The device, port or rank of a per-thing incident (see policies.incidents.SCOPED_KINDS).
+    scope: Mapped[str | None] = mapped_column(sa.String(200))
     opened_at: Mapped[float]
     updated_at: Mapped[float]
     closed_at: Mapped[float | None]
@@ -310,6 +319,8 @@ class FindingRow(Base):
     message: Mapped[str] = mapped_column(sa.Text)
     evidence: Mapped[dict[str, Any] | None]
     created_at: Mapped[float]
+    node: Mapped[str | None] = mapped_column(sa.String(200))
+    device: Mapped[str | None] = mapped_column(sa.String(100))
 
 
 class Directive(Base):

@@ -51,11 +51,14 @@ class Service:
     def ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
         with self._write_lock, self.engine.begin() as connection:
             result = ingest_batch(connection, run_id, records, self.clock())
-            fold_new_steps(connection, run_id, result.new_steps)
+            late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
         self.count(run, "accepted", result.accepted)
         self.count(run, "duplicates", result.duplicates)
+        self.count(run, "late", len(late))
         try:
+            self.policies.note_steps(run_id, result.new_rows.get("step", []))
             self.policies.judge(run_id)
+            self.policies.judge_late(run_id, late)
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")

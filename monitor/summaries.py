@@ -63,6 +63,13 @@ def fold(summary: dict[str, Any], record: dict[str, Any]) -> None:
     summary["skipped_ranks"] += 1 if record["skipped"] else 0
     if record["consumed"] is not None:
         summary["consumed"] = max(summary["consumed"] or 0, record["consumed"])
+    tokens, loss_sum = record["tokens"], record["loss_sum"]
+    if tokens and loss_sum is not None:
+        summary["rank_mean_sum"] = _add(summary["rank_mean_sum"], loss_sum / tokens)
+        summary["rank_mean_count"] += 1
+    if tokens is not None:
+        summary["min_rank_tokens"] = min(summary["min_rank_tokens"] or tokens, tokens)
+        summary["max_rank_tokens"] = max(summary["max_rank_tokens"] or 0, tokens)
     summary["first_time"] = min(summary["first_time"], record["time"])
     summary["last_time"] = max(summary["last_time"], record["time"])
     if summary["judged"]:
@@ -85,6 +92,10 @@ def empty_summary(run_id: int, incarnation: str, attempt: int, record: dict[str,
         "loss_scale": None,
         "skipped_ranks": 0,
         "consumed": None,
+        "rank_mean_sum": None,
+        "rank_mean_count": 0,
+        "min_rank_tokens": None,
+        "max_rank_tokens": None,
         "first_time": record["time"],
         "last_time": record["time"],
         "judged": False,
@@ -92,14 +103,23 @@ def empty_summary(run_id: int, incarnation: str, attempt: int, record: dict[str,
     }
 
 
-def fold_new_steps(connection: Connection, run_id: int, rows: Iterable[dict[str, Any]]) -> None:
-    """Fold a batch's newly stored step records into their windows' summaries."""
+def fold_new_steps(
+    connection: Connection, run_id: int, rows: Iterable[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Fold a batch's newly stored step records into their windows' summaries.
+
+    Returns the records that arrived after their window was judged (late, e.g. replayed
+    from a spool), which the engine judges on their own.
+    """
     grouped: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         grouped[(row["incarnation"], row["attempt"])].append(row)
     if not grouped:
-        return
+        return []
     existing = _locked_summaries(connection, run_id, list(grouped))
+    late = [
+        r for key, records in grouped.items() if key in existing and existing[key]["judged"] for r in records
+    ]
     inserts: list[dict[str, Any]] = []
     updates: list[dict[str, Any]] = []
     for key, records in grouped.items():
@@ -120,6 +140,7 @@ def fold_new_steps(connection: Connection, run_id: int, rows: Iterable[dict[str,
         connection.execute(
             statement, [{f"b_{k}": v for k, v in row.items() if k != "run_id"} for row in updates]
         )
+    return late
 
 
 def _locked_summaries(

@@ -20,7 +20,20 @@ INCIDENT_KIND_OF_FINDING = {
     "data_cursor_reset": "broken_resume",
     "data_cursor_mismatch": "broken_resume",
     "optimizer_state_lost": "broken_resume",
+    "rank_loss_spike": "spike",
+    "device_ecc": "device",
+    "device_row_remap": "device",
+    "device_lost": "device",
+    "device_xid": "device",
+    "device_error_rate": "device",
+    "link_state": "link",
+    "link_error_rate": "link",
+    "counter_saturated": "link",
 }
+
+# Incidents of these kinds are one per device, port or rank: two devices failing at nearby
+# steps are two incidents, each with its own quarantine decision.
+SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank"}
 
 # An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
 # level shift. Each entry: (current kind, finding's incident kind) -> refined kind.
@@ -55,16 +68,34 @@ def _joins(incident_kind_now: str, finding_incident_kind: str) -> bool:
     )
 
 
+def scope_of(finding: Finding) -> str | None:
+    """The device, port or rank an incident of this finding's kind is about, if any."""
+    attribute = SCOPED_KINDS.get(incident_kind(finding.kind))
+    if attribute is None:
+        return None
+    value = getattr(finding, attribute)
+    return None if value is None else str(value)
+
+
 def matching_incident(
     finding: Finding, open_incidents: Iterable[IncidentView], config: GroupingConfig
 ) -> IncidentView | None:
-    """The open incident this finding extends, or ``None`` when it starts a new one."""
+    """The open incident this finding extends, or ``None`` when it starts a new one.
+
+    A scoped incident (one device, port or rank) takes every later finding about the same
+    thing while it is open; an unscoped one takes findings within ``merge_gap`` steps.
+    """
     kind = incident_kind(finding.kind)
+    scope = scope_of(finding)
     near = [
         incident
         for incident in open_incidents
         if _joins(incident.kind, kind)
-        and incident.first_step - config.merge_gap <= finding.step <= incident.last_step + config.merge_gap
+        and incident.scope == scope
+        and (
+            scope is not None
+            or incident.first_step - config.merge_gap <= finding.step <= incident.last_step + config.merge_gap
+        )
     ]
     return max(near, key=lambda incident: incident.last_step, default=None)
 
@@ -80,6 +111,7 @@ def extend(incident: IncidentView, finding: Finding) -> IncidentView:
         first_step=min(incident.first_step, finding.step),
         last_step=max(incident.last_step, finding.step),
         finding_count=incident.finding_count + 1,
+        scope=incident.scope,
     )
 
 
@@ -90,4 +122,5 @@ def open_incident(key: int, finding: Finding) -> IncidentView:
         severity=finding.severity,
         first_step=finding.step,
         last_step=finding.step,
+        scope=scope_of(finding),
     )

@@ -84,3 +84,5 @@ class IncidentView:
     first_step: int
     last_step: int
     finding_count: int = 1
+    scope: str | None = None
+    """For kinds judged per device, node or rank: which one (one incident each)."""

@@ -40,7 +40,7 @@ def ingest(store: Engine, run: RunHandle, records: list[dict[str, Any]]) -> Inge
     """What the service does with one batch: store it, fold its new steps, one transaction."""
     with store.begin() as connection:
         result = ingest_batch(connection, run.id, parse(records), NOW)
-        fold_new_steps(connection, run.id, result.new_steps)
+        fold_new_steps(connection, run.id, result.new_rows.get("step", []))
     return result
 
 
@@ -77,7 +77,7 @@ def test_resent_batch_is_all_duplicates_and_changes_nothing(store: Engine, run: 
     again = ingest(store, run, record_of_each_kind(run.directive_id))
     # Heartbeats are not keyed records: the same one again is a no-op update, not a duplicate.
     assert again.duplicates == len(RECORD_KINDS) - 1
-    assert again.new_steps == []
+    assert again.new_rows.get("step", []) == []
     assert snapshot(store) == before
 
 
@@ -167,9 +167,7 @@ def test_finish_before_start_is_completed_by_the_start(store: Engine, run: RunHa
     assert (row["finished_at"], row["finish_status"]) == (90.0, "completed")
 
 
-def test_start_and_finish_are_idempotent_and_conflict_when_changed(
-    store: Engine, run: RunHandle
-) -> None:
+def test_start_and_finish_are_idempotent_and_conflict_when_changed(store: Engine, run: RunHandle) -> None:
     ingest(store, run, [start(), finish()])
     assert ingest(store, run, [start(), finish()]).duplicates == 2
     with pytest.raises(ConflictError):
@@ -195,16 +193,12 @@ def heartbeat(time: float, phase: str, rank: int = 0) -> dict[str, Any]:
 
 def heartbeat_phases(store: Engine) -> dict[int, tuple[float, str]]:
     with store.connect() as connection:
-        rows = connection.execute(
-            sa.select(HEARTBEATS.c.rank, HEARTBEATS.c.time, HEARTBEATS.c.phase)
-        )
+        rows = connection.execute(sa.select(HEARTBEATS.c.rank, HEARTBEATS.c.time, HEARTBEATS.c.phase))
         return {rank: (time, phase) for rank, time, phase in rows}
 
 
 @both_backends
-def test_newest_heartbeat_wins_and_a_late_older_one_is_ignored(
-    store: Engine, run: RunHandle
-) -> None:
+def test_newest_heartbeat_wins_and_a_late_older_one_is_ignored(store: Engine, run: RunHandle) -> None:
     ingest(store, run, [heartbeat(20.0, "backward"), heartbeat(10.0, "forward")])
     assert heartbeat_phases(store) == {0: (20.0, "backward")}
     ingest(store, run, [heartbeat(30.0, "optimizer"), heartbeat(5.0, "data", rank=1)])
