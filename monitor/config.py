@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from monitor.engine import EngineConfig
+from policies.devices import DevicesConfig
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,7 @@ class ServiceConfig:
     admin_token: str | None = None
     ingest: IngestConfig = field(default_factory=IngestConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], db: str | None = None) -> ServiceConfig:

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from monitor import models
 from monitor.incidents import IncidentRecorder
+from monitor.resumes import judge_resumes
 from policies.hangs import HangConfig
 from policies.numerics import nonfinite_findings
 from policies.peers import RankWindow
@@ -120,6 +121,8 @@ class PolicyEngine:
         self._states: dict[int, _RunState] = {}
         self._lock = threading.RLock()
         self.incidents = IncidentRecorder(config.series.grouping, clock)
+        # Set by the service: adds device and link evidence to a straggler finding.
+        self.enrich_straggler: Callable[[int, Finding], Finding] = lambda _run, finding: finding
 
     @property
     def config(self) -> EngineConfig:
@@ -173,6 +176,14 @@ class PolicyEngine:
                 findings += [f for f in outliers if f.rank in ranks]
             return self.incidents.record(connection, run_id, findings, state.last_step)
 
+    def judge_resumes(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Each resume record against its checkpoint and what the run did after it."""
+        if not rows:
+            return []
+        with self._lock, self._engine.begin() as connection:
+            findings = judge_resumes(connection, run_id, rows, self._config.series.continuity)
+            return self.incidents.record(connection, run_id, findings, self.last_step(run_id))
+
     def forget(self, run_id: int) -> None:
         with self._lock:
             self._states.pop(run_id, None)
@@ -223,7 +234,7 @@ class PolicyEngine:
             findings += _rank_nonfinite(window)
             state.rank_loss, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
             state.stragglers, slow = observe_stragglers(state.stragglers, window, self._config.stragglers)
-            findings += list(outliers) + list(slow)
+            findings += list(outliers) + [self.enrich_straggler(run_id, f) for f in slow]
         return findings
 
     def _window_rows(

@@ -7,6 +7,7 @@ import socket
 import stat
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -49,9 +50,7 @@ def admin_token_for(config: ServiceConfig, token_file: Path) -> tuple[ServiceCon
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
         with os.fdopen(fd, "w") as handle:
             handle.write(token + "\n")
-    return ServiceConfig(
-        db=config.db, admin_token=token, ingest=config.ingest, engine=config.engine
-    ), token_file
+    return replace(config, admin_token=token), token_file
 
 
 def bind(host: str, port: int) -> socket.socket:

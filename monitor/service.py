@@ -15,6 +15,8 @@ from sqlalchemy.engine import Engine
 from monitor import queries
 from monitor.config import ServiceConfig
 from monitor.engine import PolicyEngine
+from monitor.fleet import FleetWatch
+from monitor.hangs import HangWatch
 from monitor.ingest import IngestResult, ingest_batch
 from monitor.summaries import fold_new_steps
 from monitor.tokens import digest_matches
@@ -33,6 +35,9 @@ class Service:
         self.config = config
         self.clock = clock
         self.policies = PolicyEngine(engine, config.engine, clock)
+        self.fleet = FleetWatch(engine, config.devices, self.policies.incidents, self.policies.last_step)
+        self.hangs = HangWatch(engine, config.engine.hangs, self.policies.incidents, clock)
+        self.policies.enrich_straggler = self.fleet.straggler_evidence
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
         self.counters: Counter[tuple[str, str]] = Counter()
@@ -59,6 +64,10 @@ class Service:
             self.policies.note_steps(run_id, result.new_rows.get("step", []))
             self.policies.judge(run_id)
             self.policies.judge_late(run_id, late)
+            self.policies.judge_resumes(run_id, result.new_rows.get("resume", []))
+            self.fleet.observe(
+                run_id, result.new_rows.get("device_sample", []), result.new_rows.get("link_sample", [])
+            )
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")

@@ -1,0 +1,296 @@
+"""The engine's watchers on a real store: per-rank findings, hangs, devices and resumes."""
+
+import json
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from monitor import models, queries
+from monitor.config import ServiceConfig
+from monitor.directives import pending_for
+from monitor.engine import EngineConfig
+from monitor.schemas import BatchIn
+from monitor.service import Service
+from policies.hangs import HangConfig
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle
+
+OTHER = "00000000-0000-4000-8000-0000000000aa"
+
+
+class Clock:
+    def __init__(self, now: float = 10_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
+    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
+
+
+def windows(
+    attempts: range,
+    ranks: int = 4,
+    incarnation: str = INCARNATION,
+    loss: dict[tuple[int, int], Any] | None = None,
+    tokens: dict[int, int] | None = None,
+    reported: str = "true",
+    lr: float = 1e-3,
+    consumed_per: int = 64,
+    first_ids: int = 0,
+) -> list[dict[str, Any]]:
+    loss, tokens = loss or {}, tokens or {}
+    records = []
+    for attempt in attempts:
+        for rank in range(ranks):
+            n = tokens.get(rank, 100)
+            mean = loss.get((attempt, rank), 2.0 + 0.01 * ((attempt * 7 + rank * 3) % 5))
+            loss_sum = mean if isinstance(mean, str) else mean * n
+            records.append(
+                {
+                    "kind": "step",
+                    "incarnation": incarnation,
+                    "rank": rank,
+                    "attempt": attempt,
+                    "step": attempt,
+                    "time": 1000.0 + attempt,
+                    "node": f"node-{rank}",
+                    "device_uuid": f"GPU-{rank}",
+                    "tokens": n,
+                    "loss_sum": loss_sum,
+                    "reported_loss": mean if reported == "local" else None,
+                    "grad_norm": 1.0,
+                    "lr": lr,
+                    "consumed": attempt * consumed_per,
+                    "skipped": False,
+                    "sample_ids": [first_ids + attempt * 10 + rank],
+                    "forward_s": 0.01,
+                    "backward_s": 0.02,
+                    "optimizer_s": 0.005,
+                    "data_wait_s": 0.001,
+                }
+            )
+    return records
+
+
+def start(world: int = 4, incarnation: str = INCARNATION, time: float = 990.0) -> dict[str, Any]:
+    return {"kind": "run_start", "incarnation": incarnation, "time": time, "world_size": world}
+
+
+def incidents(store: Engine, run: RunHandle) -> list[dict[str, Any]]:
+    with store.connect() as connection:
+        return queries.list_incidents(connection, queries.IncidentFilter(run=run.name))
+
+
+def test_one_ranks_corrupted_batch_names_the_rank_node_and_device(
+    service: Service, store: Engine, run: RunHandle
+) -> None:
+    post(service, run, [start(), *windows(range(1, 60))])
+    post(service, run, windows(range(60, 61), loss={(60, 2): 9.0}))
+    post(service, run, windows(range(61, 64)))
+    (incident,) = incidents(store, run)
+    assert (incident["kind"], incident["first_step"]) == ("spike", 60)
+    assert incident["ranks"] == [2] and incident["nodes"] == ["node-2"] and incident["devices"] == ["GPU-2"]
+
+
+def test_a_nan_on_one_rank_is_critical_and_names_it(service: Service, store: Engine, run: RunHandle) -> None:
+    post(service, run, [start(), *windows(range(1, 10), loss={(5, 1): "NaN"})])
+    (incident,) = incidents(store, run)
+    assert (incident["kind"], incident["severity"], incident["first_step"]) == ("nonfinite", "critical", 5)
+    assert incident["ranks"] == [1]
+
+
+def test_late_records_are_judged_on_arrival_into_the_open_incident(
+    service: Service, store: Engine, run: RunHandle
+) -> None:
+    post(service, run, [start(), *windows(range(1, 30))])
+    early = [r for r in windows(range(30, 34), loss={(30, 3): "NaN", (30, 1): "NaN"}) if r["rank"] != 3]
+    post(service, run, early)  # rank 3 of window 30 is missing: judged by watermark without it
+    (incident,) = incidents(store, run)
+    assert incident["ranks"] == [1]
+    post(service, run, [r for r in windows(range(30, 31), loss={(30, 3): "NaN"}) if r["rank"] == 3])
+    (incident,) = incidents(store, run)  # the late NaN joined the incident, no second one
+    assert incident["ranks"] == [1, 3]
+
+
+def test_mean_of_per_rank_means_is_flagged(service: Service, store: Engine, run: RunHandle) -> None:
+    tokens = {0: 4800, 1: 9600, 2: 4800, 3: 9600}
+    loss = {(a, r): (2.0 if r % 2 == 0 else 3.0) for a in range(1, 6) for r in range(4)}
+    post(service, run, [start(), *windows(range(1, 6), tokens=tokens, loss=loss, reported="local")])
+    kinds = {i["kind"] for i in incidents(store, run)}
+    assert "loss_normalization" in kinds
+
+
+def test_a_straggler_carries_its_devices_slowdown_reason(
+    service: Service, store: Engine, run: RunHandle
+) -> None:
+    def sample(device: int, seq: int, hw_thermal_ns: int) -> dict[str, Any]:
+        return {
+            "kind": "device_sample",
+            "node": f"node-{device}",
+            "device_uuid": f"GPU-{device}",
+            "seq": seq,
+            "time": float(seq),
+            "counters": {"clock_event_ns": {"hw_thermal_slowdown": hw_thermal_ns}},
+        }
+
+    post(service, run, [sample(d, 100, 0) for d in range(4)])
+    post(service, run, [sample(d, 110, 3_000_000_000 if d == 3 else 0) for d in range(4)])
+    records = windows(range(1, 60))
+    for record in records:
+        if record["rank"] == 3:
+            record["forward_s"] *= 1.3
+            record["optimizer_s"] *= 1.3
+    post(service, run, [start(), *records])
+    (incident,) = [i for i in incidents(store, run) if i["kind"] == "straggler"]
+    assert incident["ranks"] == [3] and incident["devices"] == ["GPU-3"]
+    with store.connect() as connection:
+        (finding,) = queries.list_findings(connection, run.id, incident_id=incident["id"])
+    assert [r["reason"] for r in finding["evidence"]["clock_event_reasons"]] == ["hw_thermal_slowdown"]
+
+
+def test_device_faults_open_one_incident_per_device_and_app_xids_open_none(
+    service: Service, store: Engine, run: RunHandle
+) -> None:
+    def sample(device: str, seq: int, uncorrected: int, xids: list[int]) -> dict[str, Any]:
+        return {
+            "kind": "device_sample",
+            "node": "node-0",
+            "device_uuid": device,
+            "seq": seq,
+            "time": float(seq),
+            "counters": {"ecc": {"volatile": {"uncorrected": uncorrected}}},
+            "xids": [{"code": c, "time": float(seq)} for c in xids],
+        }
+
+    post(service, run, [sample("GPU-a", 1, 0, []), sample("GPU-b", 1, 0, [])])
+    post(service, run, [sample("GPU-a", 2, 1, []), sample("GPU-b", 2, 0, [79]), sample("GPU-c", 2, 0, [13])])
+    found = incidents(store, run)
+    assert sorted((i["kind"], i["severity"], i["devices"][0]) for i in found) == [
+        ("device", "critical", "GPU-a"),
+        ("device", "critical", "GPU-b"),
+    ]
+    with store.connect() as connection:
+        findings = queries.list_findings(connection, run.id)
+    assert any(
+        f["kind"] == "device_xid" and f["incident"] is None and f["severity"] == "info" for f in findings
+    )
+
+
+@pytest.fixture
+def clocked(store: Engine) -> tuple[Service, Clock]:
+    clock = Clock()
+    config = ServiceConfig(
+        admin_token=ADMIN_TOKEN,
+        engine=EngineConfig(hangs=HangConfig(min_timeout_s=30.0, heartbeat_interval_s=5.0)),
+    )
+    return Service(store, config, clock=clock), clock
+
+
+def beat(rank: int, phase: str, since: float, time: float, step: int = 40) -> dict[str, Any]:
+    return {
+        "kind": "heartbeat",
+        "incarnation": INCARNATION,
+        "rank": rank,
+        "phase": phase,
+        "phase_since": since,
+        "time": time,
+        "step": step,
+        "node": f"node-{rank}",
+    }
+
+
+def test_a_hung_rank_opens_one_incident_asks_for_stacks_and_closes_when_it_moves(
+    clocked: tuple[Service, Clock], store: Engine, run: RunHandle
+) -> None:
+    service, clock = clocked
+    post(service, run, [start(4)])
+    post(
+        service,
+        run,
+        [beat(r, "backward", 9_900.0, 9_999.0) for r in (0, 1, 3)] + [beat(2, "forward", 9_900.0, 9_999.0)],
+    )
+    assert service.hangs.check() != []
+    assert service.hangs.check() == []  # the same hang is not reported again
+    (incident,) = incidents(store, run)
+    assert incident["kind"] == "hang" and incident["ranks"] == [2]
+    with store.connect() as connection:
+        (directive,) = [d for d in pending_for(connection, run.id, INCARNATION, 2) if d["incident"]]
+    assert directive["kind"] == "dump_stacks" and directive["incident"] == incident["id"]
+    clock.now += 1
+    post(service, run, [beat(r, "forward", 10_000.5, 10_000.5, step=41) for r in range(4)])
+    service.hangs.check()
+    (incident,) = incidents(store, run)
+    assert incident["status"] == "resolved"
+
+
+def test_a_silent_rank_is_missing_but_a_finished_run_is_not_hung(
+    clocked: tuple[Service, Clock], store: Engine, run: RunHandle
+) -> None:
+    service, clock = clocked
+    clock.now = 9_900.0
+    post(service, run, [start(2), beat(1, "forward", 9_890.0, 9_900.0)])
+    clock.now = 10_000.0
+    post(service, run, [beat(0, "forward", 9_990.0, 9_999.0)])
+    service.hangs.check()
+    (incident,) = incidents(store, run)
+    assert "missing" in incident["summary"] and "rank 1" in incident["summary"]
+    post(service, run, [{"kind": "run_finish", "incarnation": INCARNATION, "time": 10_000.0}])
+    clock.now += 3600
+    assert service.hangs.check() == []
+
+
+def test_a_resume_that_lost_its_state_is_named(service: Service, store: Engine, run: RunHandle) -> None:
+    post(service, run, [start(4, OTHER), *windows(range(1, 30), incarnation=OTHER, lr=1e-3)])
+    post(
+        service,
+        run,
+        [
+            {
+                "kind": "checkpoint",
+                "incarnation": OTHER,
+                "step": 20,
+                "path": "/ckpt/20",
+                "time": 1020.0,
+                "consumed": 1280,
+            }
+        ],
+    )
+    good = {
+        "optimizer_step": 20,
+        "exp_avg_norm": 0.5,
+        "exp_avg_sq_norm": 0.01,
+        "lr": 1e-3,
+        "scheduler_last_epoch": 20,
+        "consumed": 1280,
+    }
+    resumes = [
+        {
+            "kind": "resume",
+            "incarnation": INCARNATION,
+            "rank": r,
+            "time": 2000.0,
+            "checkpoint_path": "/ckpt/20",
+            "restored": {**good, "first_sample_ids": [21 * 10 + r]},
+        }
+        for r in range(3)
+    ]
+    resumes.append(
+        {
+            "kind": "resume",
+            "incarnation": INCARNATION,
+            "rank": 3,
+            "time": 2000.0,
+            "checkpoint_path": "/ckpt/20",
+            "restored": {**good, "consumed": 0, "first_sample_ids": [3]},
+        }
+    )
+    post(service, run, [start(4), *resumes])
+    (incident,) = incidents(store, run)
+    assert incident["kind"] == "broken_resume" and incident["ranks"] == [3]
+    with store.connect() as connection:
+        kinds = {f["kind"] for f in queries.list_findings(connection, run.id, incident_id=incident["id"])}
+    assert kinds == {"data_cursor_reset", "data_cursor_mismatch"}
