@@ -109,11 +109,7 @@ def main() -> None:
             incarnation = str(uuid.uuid4())
             bodies = [
                 json.dumps(
-                    {
-                        "records": step_records(
-                            incarnation, args.ranks, b * args.batch_size, args.batch_size
-                        )
-                    }
+                    {"records": step_records(incarnation, args.ranks, b * args.batch_size, args.batch_size)}
                 ).encode()
                 for b in range(args.batches)
             ]
@@ -124,9 +120,7 @@ def main() -> None:
                 client.post(f"/v1/runs/{run}/records", content=body).raise_for_status()
                 latencies.append(time.perf_counter() - t0)
             elapsed = time.perf_counter() - started
-            stored = len(
-                client.get(f"/v1/runs/{run}/steps", params={"limit": 10**9}).json()["steps"]
-            )
+            stored = len(client.get(f"/v1/runs/{run}/steps", params={"limit": 10**9}).json()["steps"])
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
@@ -143,9 +137,7 @@ def main() -> None:
                 "seconds": round(elapsed, 3),
                 "records_per_second": round(records / elapsed),
                 "batch_latency_p50_ms": round(statistics.median(latencies) * 1000, 2),
-                "batch_latency_p99_ms": round(
-                    latencies[int(0.99 * (len(latencies) - 1))] * 1000, 2
-                ),
+                "batch_latency_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 2),
                 "windows_stored": stored,
             },
             indent=2,
