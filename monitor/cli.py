@@ -119,6 +119,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve the ingest API and /healthz."""
+    from monitor.scheduler import ScheduleConfig, start_scheduler
     from monitor.server import admin_token_for, bind, prepare_store, uvicorn_server
 
     config = ServiceConfig.from_environ(os.environ, db=db)
@@ -135,7 +136,11 @@ def serve(
         tmp.replace(port_file)
     where = f"admin token in {written}" if written else "admin token from RUNHEALTH_ADMIN_TOKEN"
     typer.echo(f"runhealth serving on http://{host}:{bound} ({where})", err=True)
-    uvicorn_server(service, log_level).run(sockets=[sock])
+    scheduler = start_scheduler(service, ScheduleConfig())
+    try:
+        uvicorn_server(service, log_level).run(sockets=[sock])
+    finally:
+        scheduler.shutdown(wait=False)
 
 
 @db_app.command("upgrade")

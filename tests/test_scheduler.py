@@ -1,0 +1,31 @@
+import threading
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from monitor.scheduler import ScheduleConfig, start_scheduler
+from monitor.service import Service
+
+
+def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(service: Service, store: Engine) -> None:
+    ran = threading.Event()
+    calls = []
+
+    def failing_check() -> list[int]:
+        calls.append(1)
+        if len(calls) >= 2:
+            ran.set()
+        raise RuntimeError("the store blinked")
+
+    service.hangs.check = failing_check  # type: ignore[method-assign]
+    scheduler = start_scheduler(service, ScheduleConfig(hang_check_s=0.05, peer_compare_s=60))
+    try:
+        assert ran.wait(timeout=10)
+        assert {job.id for job in scheduler.get_jobs()} == {"hang_check", "peer_compare"}
+    finally:
+        scheduler.shutdown(wait=True)
+
+
+def test_config_rejects_nonpositive_periods() -> None:
+    with pytest.raises(ValueError):
+        ScheduleConfig(hang_check_s=0)
