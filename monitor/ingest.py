@@ -6,10 +6,11 @@ content raises ``ConflictError`` and the caller's transaction rolls the whole ba
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import marshal
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +50,21 @@ class TableSpec:
     flat: bool = True
     """No nested models: the record's own field dict is the row (``model_dump`` costs ~10 us
     a record, a third of the ingest budget)."""
+    has_dicts: bool = True
+    """Some field holds a free-form dict (hashed with sorted keys)."""
 
 
 KEYED_TABLES: dict[str, TableSpec] = {
-    "step": TableSpec(models.table_of(models.StepRecord), ("incarnation", "rank", "attempt")),
+    "step": TableSpec(
+        models.table_of(models.StepRecord), ("incarnation", "rank", "attempt"), has_dicts=False
+    ),
     "device_sample": TableSpec(models.table_of(models.DeviceSample), ("node", "device_uuid", "seq")),
     "link_sample": TableSpec(models.table_of(models.LinkSample), ("node", "device", "port", "seq")),
     "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), ("path",), flat=False),
     "resume": TableSpec(models.table_of(models.ResumeEvent), ("incarnation", "rank")),
-    "stack_dump": TableSpec(models.table_of(models.StackDump), ("incarnation", "rank", "time")),
+    "stack_dump": TableSpec(
+        models.table_of(models.StackDump), ("incarnation", "rank", "time"), has_dicts=False
+    ),
     "directive_ack": TableSpec(models.table_of(models.DirectiveAck), ("directive_id", "incarnation", "rank")),
 }
 
@@ -74,15 +81,19 @@ class IngestResult:
         return {"accepted": self.accepted, "duplicates": self.duplicates, "by_kind": self.by_kind}
 
 
-def content_hash(row: dict[str, Any]) -> str:
+def content_hash(row: dict[str, Any], has_dicts: bool = True) -> str:
     """A digest of a record's content: NaN distinct from null, nested dicts key-order-free.
 
     Rows come from one pydantic model, so their field order is fixed and the tuple of values
-    is canonical; only free-form dicts need sorting.
+    is canonical; only free-form dicts need sorting (``has_dicts=False`` skips looking).
     """
-    values = tuple(
-        orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS) if isinstance(value, dict) else value
-        for value in row.values()
+    values = (
+        tuple(
+            orjson.dumps(to_wire(value), option=orjson.OPT_SORT_KEYS) if isinstance(value, dict) else value
+            for value in row.values()
+        )
+        if has_dicts
+        else tuple(row.values())
     )
     # marshal keeps float bits (NaN is not None) and is fast; version 2 has no object
     # references, so equal content gives equal bytes however the objects are shared.
@@ -144,7 +155,7 @@ def _ingest_keyed(
     fresh: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
     for index, record in indexed:
         row = _row_of(record, spec)
-        digest = content_hash(row)
+        digest = content_hash(row, spec.has_dicts)
         key = tuple(row[name] for name in spec.key)
         if key in fresh:
             if fresh[key][1]["content_hash"] != digest:
@@ -180,6 +191,8 @@ def _insert_new(connection: Connection, spec: TableSpec, rows: list[dict[str, An
     """Insert the rows whose key is not stored yet; return the keys that were inserted."""
     if not rows:
         return set()
+    if connection.dialect.name == "sqlite" and _sqlite_insert_all(connection, spec.table, rows):
+        return {tuple(row[name] for name in spec.key) for row in rows}
     key_columns = [spec.table.c[name] for name in spec.key]
     statement = (
         dialect_insert(connection, spec.table)
@@ -187,6 +200,52 @@ def _insert_new(connection: Connection, spec: TableSpec, rows: list[dict[str, An
         .returning(*key_columns)
     )
     return {tuple(row) for row in connection.execute(statement, rows)}
+
+
+def _sqlite_insert_all(connection: Connection, table: sa.Table, rows: list[dict[str, Any]]) -> bool:
+    """The common case on SQLite, fast: every key is new. A plain executemany on the driver
+    skips SQLAlchemy's per-row parameter processing (a third of the ingest time at 16k-rank
+    windows); if any key exists, nothing is written and the caller takes the general path."""
+    statement, to_params = _sqlite_plan(table)
+    savepoint = connection.begin_nested()
+    try:
+        connection.exec_driver_sql(statement, [to_params(row) for row in rows])
+    except sa.exc.IntegrityError:
+        savepoint.rollback()
+        return False
+    savepoint.commit()
+    return True
+
+
+@functools.cache
+def _sqlite_plan(table: sa.Table) -> tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]]:
+    """The INSERT statement of ``table`` and a function from a row to its parameters, applying
+    what the column types would (``Float64``'s NaN as text, JSON columns as text)."""
+    columns = [column for column in table.columns if column.name != "id"]
+    terms = []
+    for column in columns:
+        get = f"r.get({column.name!r})"
+        if isinstance(column.type, models.Float64):
+            terms.append(f"_nan({get})")
+        elif isinstance(column.type, sa.JSON):
+            terms.append(f"_json({get})")
+        else:
+            terms.append(get)
+    # One generated lambda: a tuple of direct lookups is the cheapest row -> parameters in Python.
+    to_params = eval(  # noqa: S307 - the source is built above from the table's own column names
+        f"lambda r: ({', '.join(terms)},)", {"_nan": _sqlite_nan, "_json": _sqlite_json}
+    )
+    names = ", ".join(column.name for column in columns)
+    marks = ", ".join("?" for _ in columns)
+    return f"INSERT INTO {table.name} ({names}) VALUES ({marks})", to_params
+
+
+def _sqlite_nan(value: Any) -> Any:
+    return "NaN" if value != value else value  # only NaN is unequal to itself
+
+
+def _sqlite_json(value: Any) -> Any:
+    return None if value is None else orjson.dumps(to_wire(value)).decode()
 
 
 def _stored_hashes(

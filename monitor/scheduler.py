@@ -48,9 +48,13 @@ def _guarded(name: str, job: Callable[[], object]) -> Callable[[], None]:
 
 def start_scheduler(service: Service, config: ScheduleConfig) -> BackgroundScheduler:
     scheduler = BackgroundScheduler(timezone=UTC)
-    jobs = {"hang_check": (service.hangs.check, config.hang_check_s),
-            "peer_compare": (service.fleet.compare_peers, config.peer_compare_s)}
+    jobs = {
+        "hang_check": (service.hangs.check, config.hang_check_s),
+        "peer_compare": (service.fleet.compare_peers, config.peer_compare_s),
+    }
     for name, (job, seconds) in jobs.items():
-        scheduler.add_job(_guarded(name, job), "interval", seconds=seconds, id=name, max_instances=1, coalesce=True)
+        scheduler.add_job(
+            _guarded(name, job), "interval", seconds=seconds, id=name, max_instances=1, coalesce=True
+        )
     scheduler.start()
     return scheduler
