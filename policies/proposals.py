@@ -1,0 +1,148 @@
+"""A recovery proposal for an incident: where to rewind, what to do with the data and with
+the hardware, the evidence, and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from policies.checkpoints import CheckpointFacts, rejected_reasons, rewind_target
+from policies.diagnosis import Diagnosis, Verdict
+from policies.retries import RetryDecision
+
+
+class DataAction(StrEnum):
+    REPLAY = "replay"
+    """Resume from the checkpoint and replay the same data as is."""
+    SKIP = "skip"
+    """Skip named batches: diagnosed as data, or the configured continuation policy."""
+
+
+class ContinuationPolicy(StrEnum):
+    REPLAY_AS_IS = "replay_as_is"
+    SKIP_WINDOW = "skip_window"
+    """Roll back and skip the affected window of batches without a diagnosis: a legitimate
+    continuation policy, proposed and recorded as exactly that (it changes the data
+    trajectory; it is not an exact recovery)."""
+
+
+# Incident kinds a rollback can help: the model state after the first affected step is
+# suspect. A straggler, a hang or a link warning needs a different remedy.
+RECOVERABLE_KINDS = frozenset(
+    {"spike", "level_shift", "nonfinite", "amp", "broken_resume", "device", "canary"}
+)
+
+
+@dataclass(frozen=True)
+class ProposalConfig:
+    """How proposals are made.
+
+    ``undetermined``: what to do with the data when nothing is diagnosed (replay as is by
+    default: skipping data changes the run, and the reference text asks for a recorded,
+    deliberate decision to do so). ``auto_approve``: incident kinds whose proposals are
+    approved without an operator; empty by default.
+    """
+
+    undetermined: ContinuationPolicy = ContinuationPolicy.REPLAY_AS_IS
+    auto_approve: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class IncidentFacts:
+    key: int
+    kind: str
+    first_step: int
+    last_step: int
+    current_step: int
+    batches: tuple[str, ...] = ()
+    """Batch or sample ids of the affected windows (the skip candidates)."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    incident: int
+    action: str
+    """``rollback``, ``quarantine`` (hardware only, no rewind possible) or ``escalate``."""
+    target: CheckpointFacts | None
+    data_action: DataAction
+    skip_batches: tuple[str, ...]
+    quarantine_node: str | None
+    quarantine_device: str | None
+    diagnosis: Diagnosis
+    cost_steps: int | None
+    reasons: tuple[str, ...]
+    rejected_checkpoints: dict[int, str] = field(default_factory=dict)
+    auto_approve: bool = False
+
+
+def propose(
+    incident: IncidentFacts,
+    checkpoints: tuple[CheckpointFacts, ...],
+    unsafe: dict[int, str],
+    diagnosis: Diagnosis,
+    retry: RetryDecision,
+    config: ProposalConfig,
+) -> Proposal | None:
+    """The proposal for a recoverable incident, or ``None`` when rollback is not the remedy."""
+    if incident.kind not in RECOVERABLE_KINDS:
+        return None
+    hardware = diagnosis.verdict is Verdict.HARDWARE
+    data_action, skip, why_data = _data_action(incident, diagnosis, config)
+    target = rewind_target(checkpoints, incident.first_step, unsafe)
+    reasons = [diagnosis.reason, why_data]
+    action = "rollback"
+    if not retry.allowed:
+        action, reasons = "escalate", [retry.reason, *reasons]
+    elif target is None:
+        action = "quarantine" if hardware else "escalate"
+        reasons.insert(0, f"no valid, finite checkpoint before step {incident.first_step}")
+    else:
+        reasons.insert(
+            0,
+            f"rewind to step {target.step}: the newest valid, finite checkpoint before step "
+            f"{incident.first_step}; {retry.reason}",
+        )
+    return Proposal(
+        incident=incident.key,
+        action=action,
+        target=target if action == "rollback" else None,
+        data_action=data_action,
+        skip_batches=skip,
+        quarantine_node=diagnosis.node if hardware else None,
+        quarantine_device=diagnosis.device if hardware else None,
+        diagnosis=diagnosis,
+        cost_steps=incident.current_step - target.step
+        if target is not None and action == "rollback"
+        else None,
+        reasons=tuple(reasons),
+        rejected_checkpoints=rejected_reasons(checkpoints, incident.first_step, unsafe),
+        auto_approve=action == "rollback" and incident.kind in config.auto_approve,
+    )
+
+
+def _data_action(
+    incident: IncidentFacts, diagnosis: Diagnosis, config: ProposalConfig
+) -> tuple[DataAction, tuple[str, ...], str]:
+    if diagnosis.verdict is Verdict.DATA:
+        return (
+            DataAction.SKIP,
+            diagnosis.batches,
+            f"skip the {len(diagnosis.batches)} batch(es) the replay blamed",
+        )
+    if diagnosis.verdict is Verdict.UNDETERMINED and config.undetermined is ContinuationPolicy.SKIP_WINDOW:
+        return (
+            DataAction.SKIP,
+            incident.batches,
+            "continuation policy skip_window: skip the affected window's batches without a diagnosis "
+            "(a new data trajectory, not an exact recovery)",
+        )
+    return DataAction.REPLAY, (), "replay the data as is"
+
+
+def act_at_step(
+    highest_reported: int, step_time_s: float, poll_interval_s: float, margin: float = 2.0
+) -> int:
+    """The step at which every rank acts: beyond the highest reported step by enough steps to
+    cover a poll interval and the sender's delay, times a safety margin, and at least 2."""
+    steps = 2 if step_time_s <= 0 else int(margin * poll_interval_s / step_time_s) + 2
+    return highest_reported + max(2, steps)

@@ -1,0 +1,174 @@
+"""Recovery decisions: target selection (property-tested), diagnosis, retries, proposals."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.checkpoints import CheckpointFacts, rewind_target, unsafe_checkpoints
+from policies.diagnosis import Evidence, Verdict, diagnose
+from policies.proposals import (
+    ContinuationPolicy,
+    DataAction,
+    IncidentFacts,
+    ProposalConfig,
+    act_at_step,
+    propose,
+)
+from policies.retries import RetryConfig, RetryDecision, Rollback, may_roll_back
+
+checkpoint_sets = st.lists(
+    st.builds(
+        CheckpointFacts,
+        key=st.integers(0, 10_000),
+        step=st.integers(0, 500),
+        path=st.just("/ckpt"),
+        valid=st.sampled_from([True, True, True, False, None]),
+        time=st.floats(0, 1e6),
+    ),
+    max_size=30,
+    unique_by=lambda c: c.key,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    checkpoints=checkpoint_sets,
+    first_affected=st.integers(0, 600),
+    nonfinite=st.lists(st.integers(0, 600), max_size=3),
+    open_firsts=st.lists(st.integers(0, 600), max_size=3),
+)
+def test_the_target_is_never_invalid_unsafe_or_late_and_is_the_newest_that_qualifies(
+    checkpoints: list[CheckpointFacts], first_affected: int, nonfinite: list[int], open_firsts: list[int]
+) -> None:
+    unsafe = unsafe_checkpoints(checkpoints, nonfinite, open_firsts)
+    target = rewind_target(checkpoints, first_affected, unsafe)
+    qualifying = [
+        c for c in checkpoints if c.valid is True and c.key not in unsafe and c.step < first_affected
+    ]
+    if target is None:
+        assert qualifying == []
+        return
+    assert target.valid is True
+    assert target.key not in unsafe
+    assert target.step < first_affected
+    assert all(not nonfinite or target.step < min(nonfinite) for _ in [0])
+    assert target.step == max(c.step for c in qualifying)
+
+
+def test_unsafe_covers_nonfinite_and_open_incidents() -> None:
+    checkpoints = [CheckpointFacts(k, s, "/c") for k, s in enumerate([100, 200, 300, 400])]
+    unsafe = unsafe_checkpoints(checkpoints, nonfinite_steps=[350], open_first_steps=[250])
+    assert sorted(unsafe) == [2, 3]
+    assert "nonfinite" in unsafe[3] and "open incident" in unsafe[2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.integers(1, 4), st.floats(0, 86_400 * 3)), max_size=60),
+    config=st.builds(
+        RetryConfig,
+        per_incident=st.integers(1, 4),
+        per_window=st.integers(1, 6),
+        window_s=st.floats(60, 86_400),
+    ),
+)
+def test_retries_stay_bounded_under_any_sequence(
+    events: list[tuple[int, float]], config: RetryConfig
+) -> None:
+    history: list[Rollback] = []
+    for incident, now in sorted(events, key=lambda e: e[1]):
+        if may_roll_back(history, incident, now, config).allowed:
+            history.append(Rollback(incident, now))
+    for incident in {r.incident for r in history}:
+        assert sum(1 for r in history if r.incident == incident) <= config.per_incident
+    for r in history:
+        assert sum(1 for o in history if o.time <= r.time and r.time - o.time < config.window_s) <= config.per_window
+
+
+def test_blame_follows_evidence_only() -> None:
+    assert diagnose(Evidence(canary_mismatch=True, suspect_device="GPU-3")).verdict is Verdict.HARDWARE
+    assert diagnose(Evidence(devices_differ=True)).verdict is Verdict.HARDWARE
+    data = diagnose(Evidence(replay_reproduced=True, skip_cleared=True, suspect_batches=("b7",)))
+    assert (data.verdict, data.batches) == (Verdict.DATA, ("b7",))
+    assert diagnose(Evidence(replay_reproduced=True, skip_cleared=False)).verdict is Verdict.UNDETERMINED
+    not_reproduced = diagnose(Evidence(replay_reproduced=False))
+    assert not_reproduced.verdict is Verdict.UNDETERMINED and "not evidence against" in not_reproduced.reason
+    assert diagnose(Evidence()).verdict is Verdict.UNDETERMINED
+
+
+CHECKPOINTS = (
+    CheckpointFacts(1, 100, "/c/100", valid=True),
+    CheckpointFacts(2, 200, "/c/200", valid=True),
+    CheckpointFacts(3, 300, "/c/300", valid=False, problems=("model.pt: sha256 differs",)),
+    CheckpointFacts(4, 400, "/c/400", valid=True),
+)
+INCIDENT = IncidentFacts(
+    key=9, kind="spike", first_step=350, last_step=352, current_step=420, batches=("b1", "b2")
+)
+ALLOWED = RetryDecision(True, "rollback 1 of 2 for this incident")
+
+
+def test_a_data_diagnosis_rewinds_past_the_invalid_checkpoint_and_skips_the_batches() -> None:
+    diagnosis = diagnose(Evidence(replay_reproduced=True, skip_cleared=True, suspect_batches=("b2",)))
+    proposal = propose(INCIDENT, CHECKPOINTS, {}, diagnosis, ALLOWED, ProposalConfig())
+    assert proposal is not None and proposal.action == "rollback"
+    assert proposal.target == CHECKPOINTS[1]  # 300 is invalid, 400 is after the first affected step
+    assert (proposal.data_action, proposal.skip_batches) == (DataAction.SKIP, ("b2",))
+    assert proposal.quarantine_node is None and proposal.cost_steps == 220
+    assert "sha256" in proposal.rejected_checkpoints[3]
+
+
+def test_undetermined_quarantines_nothing_and_replays_unless_the_policy_says_skip() -> None:
+    undetermined = diagnose(Evidence(replay_reproduced=False))
+    proposal = propose(INCIDENT, CHECKPOINTS, {}, undetermined, ALLOWED, ProposalConfig())
+    assert proposal is not None
+    assert (proposal.data_action, proposal.quarantine_node, proposal.quarantine_device) == (
+        DataAction.REPLAY,
+        None,
+        None,
+    )
+    skipping = propose(
+        INCIDENT,
+        CHECKPOINTS,
+        {},
+        undetermined,
+        ALLOWED,
+        ProposalConfig(undetermined=ContinuationPolicy.SKIP_WINDOW),
+    )
+    assert skipping is not None and skipping.skip_batches == ("b1", "b2")
+    assert any("skip_window" in r for r in skipping.reasons)
+
+
+def test_hardware_quarantines_the_device_and_past_the_bound_escalates() -> None:
+    hardware = diagnose(Evidence(canary_mismatch=True, suspect_device="GPU-3", suspect_node="n1"))
+    proposal = propose(INCIDENT, CHECKPOINTS, {}, hardware, ALLOWED, ProposalConfig())
+    assert proposal is not None and (proposal.quarantine_node, proposal.quarantine_device) == ("n1", "GPU-3")
+    denied = RetryDecision(False, "incident 9 was rolled back 2 times (bound 2): escalate")
+    escalated = propose(INCIDENT, CHECKPOINTS, {}, hardware, denied, ProposalConfig())
+    assert escalated is not None and escalated.action == "escalate" and escalated.target is None
+
+
+def test_no_rollback_for_kinds_it_cannot_help_and_auto_approve_is_opt_in() -> None:
+    straggler = IncidentFacts(key=1, kind="straggler", first_step=10, last_step=10, current_step=12)
+    assert propose(straggler, CHECKPOINTS, {}, diagnose(Evidence()), ALLOWED, ProposalConfig()) is None
+    proposal = propose(INCIDENT, CHECKPOINTS, {}, diagnose(Evidence()), ALLOWED, ProposalConfig())
+    assert proposal is not None and proposal.auto_approve is False
+    auto = propose(
+        INCIDENT,
+        CHECKPOINTS,
+        {},
+        diagnose(Evidence()),
+        ALLOWED,
+        ProposalConfig(auto_approve=frozenset({"spike"})),
+    )
+    assert auto is not None and auto.auto_approve is True
+
+
+@pytest.mark.parametrize(
+    ("highest", "step_time", "poll", "expected"),
+    [(100, 1.0, 2.0, 106), (100, 0.02, 2.0, 302), (100, 0.0, 2.0, 102), (100, 60.0, 2.0, 102)],
+)
+def test_the_action_step_clears_the_polling_delay(
+    highest: int, step_time: float, poll: float, expected: int
+) -> None:
+    assert act_at_step(highest, step_time, poll) == expected
