@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from monitor.actions import ActionConfig
+from monitor.decisions import DecisionConfig
 from monitor.engine import EngineConfig
 from policies.devices import DevicesConfig
 
@@ -46,12 +48,14 @@ class ServiceConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
+    decisions: DecisionConfig = field(default_factory=DecisionConfig)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], db: str | None = None) -> ServiceConfig:
         return cls(
             db=db or environ.get("RUNHEALTH_DB") or None,
             admin_token=environ.get("RUNHEALTH_ADMIN_TOKEN") or None,
+            decisions=DecisionConfig(actions=ActionConfig.from_environ(environ)),
             ingest=IngestConfig(
                 max_batch_bytes=_int(environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes),
                 max_batch_records=_int(

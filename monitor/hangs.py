@@ -9,8 +9,8 @@ closes when every rank moves again.
 from __future__ import annotations
 
 import threading
-from itertools import pairwise
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import sqlalchemy as sa

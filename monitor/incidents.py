@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from monitor import models
+from monitor import audit, models
 from policies.incidents import GroupingConfig, extend, matching_incident, open_incident
 from policies.types import Finding, IncidentView, Severity
 
@@ -115,6 +115,22 @@ class IncidentRecorder:
                 ).scalar_one()
             )
             opened[key] = _Open(IncidentView(**{**view.__dict__, "key": key}), set(), set(), set())
+            audit.append(
+                connection,
+                actor="engine",
+                action="incident_opened",
+                subject=f"incident:{key}",
+                now=now,
+                run_id=run_id,
+                incident_id=key,
+                reason=finding.message,
+                details={
+                    "kind": view.kind,
+                    "severity": view.severity.value,
+                    "first_step": view.first_step,
+                    "detected_step": detected_step,
+                },
+            )
         else:
             key = match.key
             opened[key].view = extend(match, finding)

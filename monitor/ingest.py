@@ -232,9 +232,7 @@ def _sqlite_plan(table: sa.Table) -> tuple[str, Callable[[dict[str, Any]], tuple
         else:
             terms.append(get)
     # One generated lambda: a tuple of direct lookups is the cheapest row -> parameters in Python.
-    to_params = eval(  # noqa: S307 - the source is built above from the table's own column names
-        f"lambda r: ({', '.join(terms)},)", {"_nan": _sqlite_nan, "_json": _sqlite_json}
-    )
+    to_params = eval(f"lambda r: ({', '.join(terms)},)", {"_nan": _sqlite_nan, "_json": _sqlite_json})
     names = ", ".join(column.name for column in columns)
     marks = ", ".join("?" for _ in columns)
     return f"INSERT INTO {table.name} ({names}) VALUES ({marks})", to_params

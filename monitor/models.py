@@ -382,6 +382,118 @@ class StackDump(Base):
     content_hash: Mapped[str] = mapped_column(sa.String(32))
 
 
+class Operator(Base):
+    """A person who may approve or reject proposals; the audit log records this identity."""
+
+    __tablename__ = "operators"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(200), unique=True)
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    created_at: Mapped[float]
+    revoked_at: Mapped[float | None]
+
+
+class CheckpointValidation(Base):
+    """The registry's re-check of a checkpoint's manifest against its files."""
+
+    __tablename__ = "checkpoint_validations"
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("checkpoint_events.id", ondelete="CASCADE"), primary_key=True
+    )
+    valid: Mapped[bool]
+    problems: Mapped[list[Any]]
+    checked_at: Mapped[float]
+
+
+class Proposal(Base):
+    """A proposed recovery for an incident, and what became of it."""
+
+    __tablename__ = "proposals"
+    __table_args__ = (sa.Index("ix_proposals_run_status", "run_id", "status"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incident_id: Mapped[int] = mapped_column(sa.ForeignKey("incidents.id", ondelete="CASCADE"), index=True)
+    action: Mapped[str] = mapped_column(sa.String(16))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    checkpoint_id: Mapped[int | None] = mapped_column(
+        sa.ForeignKey("checkpoint_events.id", ondelete="SET NULL")
+    )
+    target_step: Mapped[int | None]
+    target_path: Mapped[str | None] = mapped_column(sa.String(1000))
+    data_action: Mapped[str] = mapped_column(sa.String(16))
+    skip_batches: Mapped[list[Any]]
+    quarantine_node: Mapped[str | None] = mapped_column(sa.String(200))
+    quarantine_device: Mapped[str | None] = mapped_column(sa.String(100))
+    verdict: Mapped[str] = mapped_column(sa.String(16))
+    cost_steps: Mapped[int | None]
+    evidence: Mapped[dict[str, Any]]
+    created_at: Mapped[float]
+    decided_by: Mapped[str | None] = mapped_column(sa.String(200))
+    decided_at: Mapped[float | None]
+    decision_reason: Mapped[str | None] = mapped_column(sa.Text)
+    directive_id: Mapped[int | None] = mapped_column(sa.ForeignKey("directives.id", ondelete="SET NULL"))
+
+
+class Replay(Base):
+    """A replay job for an incident and the evidence it produced."""
+
+    __tablename__ = "replays"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incident_id: Mapped[int] = mapped_column(sa.ForeignKey("incidents.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
+    command: Mapped[str] = mapped_column(sa.Text)
+    spec: Mapped[dict[str, Any]]
+    evidence: Mapped[dict[str, Any] | None]
+    verdict: Mapped[str | None] = mapped_column(sa.String(16))
+    started_at: Mapped[float]
+    finished_at: Mapped[float | None]
+    output: Mapped[str | None] = mapped_column(sa.Text)
+
+
+class Action(Base):
+    """A quarantine carried out (or dry-run) through a configured webhook or command."""
+
+    __tablename__ = "actions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    proposal_id: Mapped[int | None] = mapped_column(sa.ForeignKey("proposals.id", ondelete="SET NULL"))
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    target: Mapped[str] = mapped_column(sa.String(300))
+    mode: Mapped[str] = mapped_column(sa.String(16))
+    request: Mapped[str] = mapped_column(sa.Text)
+    status: Mapped[str] = mapped_column(sa.String(16))
+    result: Mapped[dict[str, Any]]
+    time: Mapped[float]
+
+
+class AuditEntry(Base):
+    """Append-only, hash-chained: each entry holds the hash of the previous one.
+
+    ``prev_hash`` is unique, so two writers that read the same tail cannot both append to
+    it: one insert fails and retries on the new tail, and the chain never forks.
+    """
+
+    __tablename__ = "audit_log"
+
+    seq: Mapped[int] = mapped_column(primary_key=True)
+    time: Mapped[float]
+    actor: Mapped[str] = mapped_column(sa.String(200))
+    action: Mapped[str] = mapped_column(sa.String(64))
+    subject: Mapped[str] = mapped_column(sa.String(200))
+    run_id: Mapped[int | None]
+    incident_id: Mapped[int | None] = mapped_column(index=True)
+    reason: Mapped[str | None] = mapped_column(sa.Text)
+    details: Mapped[dict[str, Any]]
+    prev_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    hash: Mapped[str] = mapped_column(sa.String(64))
+
+
 def table_of(model: type[Base]) -> sa.Table:
     """A model's Core table, typed as one (``__table__`` is typed as a generic FromClause)."""
     table = model.__table__

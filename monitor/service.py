@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 
 from monitor import queries
 from monitor.config import ServiceConfig
+from monitor.decisions import Decisions
 from monitor.engine import PolicyEngine
 from monitor.fleet import FleetWatch
 from monitor.hangs import HangWatch
@@ -38,6 +39,7 @@ class Service:
         self.fleet = FleetWatch(engine, config.devices, self.policies.incidents, self.policies.last_step)
         self.hangs = HangWatch(engine, config.engine.hangs, self.policies.incidents, clock)
         self.policies.enrich_straggler = self.fleet.straggler_evidence
+        self.decisions = Decisions(engine, config.decisions, clock)
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
         self.counters: Counter[tuple[str, str]] = Counter()
@@ -61,17 +63,26 @@ class Service:
         self.count(run, "duplicates", result.duplicates)
         self.count(run, "late", len(late))
         try:
-            self.policies.note_steps(run_id, result.new_rows.get("step", []))
-            self.policies.judge(run_id)
-            self.policies.judge_late(run_id, late)
-            self.policies.judge_resumes(run_id, result.new_rows.get("resume", []))
-            self.fleet.observe(
-                run_id, result.new_rows.get("device_sample", []), result.new_rows.get("link_sample", [])
-            )
+            self.judge(run_id, result.new_rows, late)
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")
         return result
+
+    def judge(
+        self, run_id: int, new_rows: dict[str, list[dict[str, Any]]], late: list[dict[str, Any]]
+    ) -> None:
+        """Everything a batch's new records can tell, then the decisions they call for."""
+        self.policies.note_steps(run_id, new_rows.get("step", []))
+        touched = self.policies.judge(run_id)
+        touched += self.policies.judge_late(run_id, late)
+        touched += self.policies.judge_resumes(run_id, new_rows.get("resume", []))
+        touched += self.fleet.observe(
+            run_id, new_rows.get("device_sample", []), new_rows.get("link_sample", [])
+        )
+        self.decisions.acknowledged(run_id, new_rows.get("directive_ack", []))
+        self.decisions.resumed(run_id, new_rows.get("resume", []))
+        self.decisions.consider(run_id, sorted(set(touched)))
 
     def healthy(self) -> dict[str, Any]:
         with self.engine.connect() as connection:
