@@ -15,15 +15,16 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from monitor import directives, queries
+from monitor import decisions, directives, operators, queries
 from monitor.floats import dumps
 from monitor.ingest import ConflictError, InvalidRecord
-from monitor.schemas import BatchIn, DirectiveCreateIn, RunCreateIn
+from monitor.schemas import BatchIn, DecisionIn, DirectiveCreateIn, RunCreateIn
 from monitor.service import Service
 
 BATCH = TypeAdapter(BatchIn)
 RUN_CREATE = TypeAdapter(RunCreateIn)
 DIRECTIVE_CREATE = TypeAdapter(DirectiveCreateIn)
+DECISION = TypeAdapter(DecisionIn)
 
 
 class ApiError(Exception):
@@ -230,6 +231,46 @@ def create_app(service: Service) -> FastAPI:
 
         directive_id = await run_in_threadpool(create)
         return json_response({"run": run, "directive": directive_id}, 201)
+
+    def require_operator(request: Request) -> str:
+        """The operator identity bound to this bearer token (unknown or revoked: 403)."""
+        token = bearer(request)
+        with service.engine.connect() as connection:
+            name = operators.identify(connection, token)
+        if name is None:
+            raise ApiError(403, "forbidden", "this needs an operator token that is known and not revoked")
+        return name
+
+    @app.get("/v1/proposals")
+    def list_proposals(request: Request, run: str | None = None, status: str | None = None) -> Response:
+        token = bearer(request)
+        if not is_admin(token):
+            require_operator(request)
+        with service.engine.connect() as connection:
+            return json_response({"proposals": decisions.list_proposals(connection, run, status)})
+
+    @app.post("/v1/proposals/{proposal_id}/{verb}")
+    async def decide(proposal_id: int, verb: str, request: Request) -> Response:
+        if verb not in ("approve", "reject"):
+            raise ApiError(404, "not_found", f"no action {verb!r} on proposals (approve or reject)")
+        operator = await run_in_threadpool(require_operator, request)
+        raw = await read_limited(request, 64 * 1024)
+        try:
+            body = DECISION.validate_json(raw or b"{}")
+        except ValidationError as exc:
+            raise ApiError(422, "invalid", str(exc.errors(include_url=False)[0]["msg"])) from exc
+        if verb == "reject" and not (body.reason or "").strip():
+            raise ApiError(422, "invalid", "a rejection needs a reason")
+        if verb == "approve":
+            outcome = await run_in_threadpool(service.decisions.approve, proposal_id, operator, body.reason)
+        else:
+            outcome = await run_in_threadpool(
+                service.decisions.reject, proposal_id, operator, body.reason or ""
+            )
+        status = 200 if outcome.ok else (404 if outcome.proposal is None else 409)
+        return json_response(
+            {"ok": outcome.ok, "message": outcome.message, "proposal": outcome.proposal}, status
+        )
 
     @app.get("/v1/runs/{run}/incidents")
     def list_incidents(run: str, request: Request) -> Response:

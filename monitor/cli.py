@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from monitor.backtest import BacktestError, backtest, load_series, parse_mapping
 from monitor.config import ConfigError, ServiceConfig
 from monitor.db import StoreError, create_store_engine, resolve_url
 from monitor.floats import dumps
+from monitor.replays import ReplayError
 from policies.series import SeriesConfig
 from policies.spike import SpikeConfig
 
@@ -35,6 +37,10 @@ db_app = typer.Typer(help="The store's schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 runs_app = typer.Typer(help="Runs: list them, or create one and get its token.")
 app.add_typer(runs_app, name="runs")
+operators_app = typer.Typer(help="Operators who approve or reject proposals.", no_args_is_help=True)
+app.add_typer(operators_app, name="operators")
+audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
 
 out = Console(soft_wrap=True)
 
@@ -43,6 +49,13 @@ DbOption = Annotated[
     typer.Option("--db", help="SQLAlchemy URL or SQLite path (default: $RUNHEALTH_DB, else ./runhealth.db)"),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+UrlOption = Annotated[
+    str | None,
+    typer.Option("--url", help="The service (default: $RUNHEALTH_URL, else http://127.0.0.1:8765)."),
+]
+TokenOption = Annotated[
+    str | None, typer.Option("--token", help="Operator token (default: $RUNHEALTH_OPERATOR_TOKEN).")
+]
 
 
 class UserError(Exception):
@@ -294,6 +307,17 @@ def incident(
         f"run {found['run']}, steps {found['first_step']}..{found['last_step']}"
     )
     out.print(found["summary"])
+    if found.get("story"):
+        out.print(
+            table(
+                "Story",
+                ["#", "time", "who", "what", "subject", "why"],
+                [
+                    [e["seq"], fmt_time(e["time"]), e["actor"], e["action"], e["subject"], e["reason"] or ""]
+                    for e in found["story"]
+                ],
+            )
+        )
     out.print(
         table(
             "Evidence",
@@ -409,8 +433,292 @@ def demo(
         print_json(result)
 
 
+def service_url(url: str | None) -> str:
+    return (url or os.environ.get("RUNHEALTH_URL") or "http://127.0.0.1:8765").rstrip("/")
+
+
+def operator_token(token: str | None) -> str:
+    found = token or os.environ.get("RUNHEALTH_OPERATOR_TOKEN")
+    if not found:
+        raise UserError("an operator token is needed: --token or RUNHEALTH_OPERATOR_TOKEN")
+    return found
+
+
+def call_service(method: str, url: str, path: str, token: str, body: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    try:
+        response = httpx.request(
+            method, url + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
+    except httpx.HTTPError as exc:
+        raise UserError(f"the service at {url} is unreachable: {exc}") from exc
+    document = (
+        response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+    )
+    if response.status_code in (401, 403):
+        raise UserError(f"refused by the service: {document.get('message', response.status_code)}")
+    if response.status_code >= 400 and not (response.status_code == 409 and "proposal" in document):
+        raise UserError(document.get("message") or f"the service answered {response.status_code}")
+    return document
+
+
+def proposal_rows(proposals: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    return [
+        [
+            p["id"],
+            p["run"],
+            p["incident"],
+            p["status"],
+            p["action"],
+            f"step {p['target']['step']}" if p["target"]["step"] is not None else "",
+            p["data_action"] + (f" {len(p['skip_batches'])} batches" if p["skip_batches"] else ""),
+            "/".join(x for x in (p["quarantine"]["node"], p["quarantine"]["device"]) if x) or "",
+            p["verdict"],
+            p["cost_steps"],
+            p["decided_by"] or "",
+        ]
+        for p in proposals
+    ]
+
+
+PROPOSAL_COLUMNS = [
+    "id",
+    "run",
+    "incident",
+    "status",
+    "action",
+    "rewind to",
+    "data",
+    "quarantine",
+    "verdict",
+    "lost steps",
+    "decided by",
+]
+
+
+@app.command()
+def proposals(
+    db: DbOption = None,
+    run: Annotated[str | None, typer.Option(help="Only this run.")] = None,
+    status: Annotated[
+        str | None, typer.Option(help="pending, approved, executing, done, rejected, ...")
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List recovery proposals (from the service with --url, else from the store)."""
+    if url or token:
+        query = "&".join(f"{k}={v}" for k, v in (("run", run), ("status", status)) if v)
+        listed = call_service("GET", service_url(url), f"/v1/proposals?{query}", operator_token(token))[
+            "proposals"
+        ]
+    else:
+        from monitor.decisions import list_proposals
+
+        with reading(db) as connection:
+            listed = list_proposals(connection, run, status)
+    if as_json:
+        print_json({"proposals": listed})
+        return
+    out.print(table("Proposals", PROPOSAL_COLUMNS, proposal_rows(listed)))
+
+
+def _decide(
+    verb: str, proposal_id: int, reason: str | None, url: str | None, token: str | None, as_json: bool
+) -> None:
+    document = call_service(
+        "POST",
+        service_url(url),
+        f"/v1/proposals/{proposal_id}/{verb}",
+        operator_token(token),
+        {"reason": reason},
+    )
+    if as_json:
+        print_json(document)
+    else:
+        typer.echo(document["message"])
+    if not document.get("ok"):
+        raise SystemExit(1)
+
+
+@app.command()
+def approve(
+    proposal_id: Annotated[int, typer.Argument(metavar="ID")],
+    reason: Annotated[str | None, typer.Option(help="Why (recorded in the audit log).")] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Approve a proposal as the operator the token belongs to."""
+    _decide("approve", proposal_id, reason, url, token, as_json)
+
+
+@app.command()
+def reject(
+    proposal_id: Annotated[int, typer.Argument(metavar="ID")],
+    reason: Annotated[str, typer.Option(help="Why (required; recorded in the audit log).")],
+    url: UrlOption = None,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Reject a proposal, with a reason."""
+    _decide("reject", proposal_id, reason, url, token, as_json)
+
+
+@operators_app.command("add")
+def operators_add(name: str, db: DbOption = None, as_json: JsonOption = False) -> None:
+    """Create an operator and print their token (shown once)."""
+    from monitor.operators import OperatorError, add_operator
+
+    engine = open_engine(db)
+    try:
+        with engine.begin() as connection:
+            token = add_operator(connection, name, actor=f"cli:{_local_user()}", now=time.time())
+    except OperatorError as exc:
+        raise UserError(str(exc)) from exc
+    if as_json:
+        print_json({"operator": name, "token": token})
+    else:
+        typer.echo(token)
+
+
+@operators_app.command("revoke")
+def operators_revoke(
+    name: str, reason: Annotated[str | None, typer.Option(help="Why.")] = None, db: DbOption = None
+) -> None:
+    """Revoke an operator's token: it can no longer approve or reject."""
+    from monitor.operators import OperatorError, revoke_operator
+
+    engine = open_engine(db)
+    try:
+        with engine.begin() as connection:
+            revoke_operator(connection, name, actor=f"cli:{_local_user()}", now=time.time(), reason=reason)
+    except OperatorError as exc:
+        raise UserError(str(exc)) from exc
+    typer.echo(f"operator {name} revoked")
+
+
+@operators_app.command("list")
+def operators_list(db: DbOption = None, as_json: JsonOption = False) -> None:
+    """List operators."""
+    from monitor.operators import list_operators
+
+    with reading(db) as connection:
+        listed = list_operators(connection)
+    if as_json:
+        print_json({"operators": listed})
+        return
+    out.print(
+        table(
+            "Operators",
+            ["name", "created", "revoked"],
+            [[o["name"], fmt_time(o["created_at"]), fmt_time(o["revoked_at"])] for o in listed],
+        )
+    )
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+@app.command("checkpoints")
+def checkpoints_command(
+    run: Annotated[str, typer.Argument(help="The run.")],
+    db: DbOption = None,
+    validate: Annotated[
+        bool, typer.Option(help="Re-check manifests not checked yet (reads the files).")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """List a run's checkpoints: validation, latest-resumable, best-eval, unsafe."""
+    from monitor.checkpoints import registry, validate_pending
+
+    engine = open_engine(db)
+    with engine.begin() as connection:
+        run_id = int(queries.run_row(connection, run).id)
+        if validate:
+            validate_pending(connection, time.time(), run_id)
+        listed = registry(connection, run_id)
+    if as_json:
+        print_json({"run": run, "checkpoints": listed})
+        return
+    out.print(
+        table(
+            f"Checkpoints of {run}",
+            ["id", "step", "consumed", "valid", "tags", "path"],
+            [
+                [
+                    c["id"],
+                    c["step"],
+                    c["consumed"],
+                    {True: "yes", False: "NO", None: "unchecked"}[c["valid"]],
+                    ", ".join(
+                        t["tag"] + (f" ({t['metric']}={t['value']:.4g})" if "metric" in t else "")
+                        for t in c["tags"]
+                    ),
+                    c["path"],
+                ]
+                for c in listed
+            ],
+        )
+    )
+
+
+@app.command()
+def replay(
+    incident_id: Annotated[int, typer.Argument(metavar="INCIDENT")],
+    db: DbOption = None,
+    command: Annotated[
+        str | None,
+        typer.Option(help="Replay entry point with {spec} and {result} (default: the registered one)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds the replay may take.")] = 3600.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Run the trainer's replay entry point for an incident and record the verdict."""
+    from monitor.replaying import replay_incident
+
+    engine = open_engine(db)
+    result = replay_incident(engine, incident_id, command, timeout, actor=f"cli:{_local_user()}")
+    if as_json:
+        print_json(result)
+    else:
+        typer.echo(f"replay of incident {incident_id}: {result['verdict']} ({result['reason']})")
+        if result.get("proposal"):
+            typer.echo(f"new proposal {result['proposal']}")
+
+
+@audit_app.command("verify")
+def audit_verify(db: DbOption = None, as_json: JsonOption = False) -> None:
+    """Check the audit log's hash chain; name the first broken entry."""
+    from monitor.audit import verify
+
+    with reading(db) as connection:
+        checked = verify(connection)
+    document = {
+        "ok": checked.ok,
+        "entries": checked.entries,
+        "head": checked.head,
+        "broken_seq": checked.broken_seq,
+        "problem": checked.problem,
+    }
+    if as_json:
+        print_json(document)
+    elif checked.ok:
+        typer.echo(f"audit log intact: {checked.entries} entries, head {checked.head}")
+    else:
+        typer.echo(f"audit log BROKEN at {checked.problem}", err=True)
+    if not checked.ok:
+        raise SystemExit(1)
+
+
 USER_ERRORS = (
     UserError,
+    ReplayError,
     StoreError,
     BacktestError,
     ConfigError,

@@ -179,8 +179,15 @@ def get_incident(connection: Connection, incident_id: int) -> dict[str, Any]:
     )
     if row is None:
         raise NotFound(f"no incident {incident_id}")
+    from monitor import audit
+    from monitor.decisions import list_proposals
+
     incident = incident_view(row)
     incident["evidence"] = list_findings(connection, row["run_id"], incident_id=incident_id)
+    incident["proposals"] = [
+        p for p in list_proposals(connection, run=row["run"]) if p["incident"] == incident_id
+    ]
+    incident["story"] = audit.story(connection, incident_id)
     return incident
 
 

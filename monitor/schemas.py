@@ -219,3 +219,9 @@ class DirectiveCreateIn(BaseModel):
     kind: Literal["dump_stacks"]
     incarnation: IncarnationId | None = None
     ranks: list[Count] | None = None
+
+
+class DecisionIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    reason: Annotated[str, Field(max_length=4000)] | None = None

@@ -1,0 +1,424 @@
+"""The decision workflow end to end on a real store and a real HTTP service."""
+
+import hashlib
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from monitor import audit, models, queries
+from monitor.actions import ActionConfig
+from monitor.cli import main
+from monitor.config import ServiceConfig
+from monitor.decisions import DecisionConfig, list_proposals
+from monitor.operators import add_operator, revoke_operator
+from monitor.schemas import BatchIn
+from monitor.server import BackgroundServer
+from monitor.service import Service
+from policies.proposals import ProposalConfig
+from policies.retries import RetryConfig
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends
+
+NEW_INCARNATION = "00000000-0000-4000-8000-0000000000bb"
+
+
+def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
+    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
+
+
+def windows(
+    attempts: range, ranks: int = 2, spike: int | None = None, incarnation: str = INCARNATION
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": "step",
+            "incarnation": incarnation,
+            "rank": r,
+            "attempt": a,
+            "step": a,
+            "time": 100.0 + a,
+            "tokens": 10,
+            "loss_sum": 10 * (9.0 if a == spike else 2.0 + 0.01 * ((a * 7 + r) % 5)),
+            "lr": 1e-3,
+            "consumed": 8 * a,
+            "sample_ids": [f"b{a}-{r}"],
+        }
+        for a in attempts
+        for r in range(ranks)
+    ]
+
+
+def checkpoint(tmp_path: Path, step: int, tamper: bool = False) -> dict[str, Any]:
+    folder = tmp_path / f"ckpt-{step}"
+    folder.mkdir()
+    payload = f"weights at {step}".encode()
+    (folder / "model.pt").write_bytes(payload)
+    manifest = {
+        "step": step,
+        "consumed": 8 * step,
+        "files": [{"path": "model.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}],
+    }
+    if tamper:
+        (folder / "model.pt").write_bytes(payload.upper())
+    return {
+        "kind": "checkpoint",
+        "incarnation": INCARNATION,
+        "step": step,
+        "path": str(folder),
+        "time": 100.0 + step,
+        "consumed": 8 * step,
+        "manifest": manifest,
+    }
+
+
+def spiked_run(service: Service, run: RunHandle, tmp_path: Path) -> dict[str, Any]:
+    """A 2-rank run with checkpoints at 20, 40 (tampered) and 70, and a loss spike at 65."""
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(
+        service,
+        run,
+        [checkpoint(tmp_path, 20), checkpoint(tmp_path, 40, tamper=True), *windows(range(1, 65))],
+    )
+    post(service, run, [*windows(range(65, 75), spike=65), checkpoint(tmp_path, 70)])
+    with service.engine.connect() as connection:
+        (proposal,) = list_proposals(connection, run.name)
+    return proposal
+
+
+def test_the_proposal_rewinds_to_the_newest_valid_checkpoint_before_the_spike(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    assert (proposal["status"], proposal["action"], proposal["verdict"]) == (
+        "pending",
+        "rollback",
+        "undetermined",
+    )
+    assert proposal["target"]["step"] == 20  # 40 fails its sha256, 70 is after the spike
+    assert proposal["cost_steps"] == 74 - 20
+    assert proposal["quarantine"] == {"node": None, "device": None}
+    rejected = proposal["evidence"]["rejected_checkpoints"]
+    assert any("sha256" in why for why in rejected.values())
+    assert any("not before the first affected step" in why for why in rejected.values())
+
+
+@pytest.fixture
+def served(service: Service) -> Any:
+    with BackgroundServer(service) as server:
+        yield server
+
+
+def operator(store: Engine, name: str) -> str:
+    with store.begin() as connection:
+        return add_operator(connection, name, actor="tests", now=1.0)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_an_operator_approves_from_the_cli_and_every_rank_gets_one_step(
+    service: Service,
+    store: Engine,
+    run: RunHandle,
+    tmp_path: Path,
+    served: BackgroundServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    token = operator(store, "alice")
+    code, out, _ = cli(
+        capsys,
+        "approve",
+        str(proposal["id"]),
+        "--reason",
+        "spike at 65",
+        "--url",
+        served.url,
+        "--token",
+        token,
+        "--json",
+    )
+    assert code == 0, out
+    approved = json.loads(out)["proposal"]
+    assert (approved["status"], approved["decided_by"]) == ("executing", "alice")
+    response = httpx.get(
+        f"{served.url}/v1/runs/{run.name}/directives",
+        params={"incarnation": INCARNATION, "rank": 1},
+        headers=run.headers,
+    )
+    (directive,) = [d for d in response.json()["directives"] if d["kind"] == "rollback"]
+    assert directive["act_at_step"] > 74
+    assert directive["payload"]["checkpoint_step"] == 20
+    with store.connect() as connection:
+        actions = [e["action"] for e in audit.story(connection, approved["incident"])]
+    assert actions == ["incident_opened", "proposed", "approved", "directive"]
+    assert audit.story  # the story is in order by construction (sequence numbers)
+
+
+def test_unknown_and_revoked_tokens_cannot_approve(
+    service: Service,
+    store: Engine,
+    run: RunHandle,
+    tmp_path: Path,
+    served: BackgroundServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    code, _, err = cli(capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", "rh_op_nobody")
+    assert code == 2 and "operator token" in err
+    token = operator(store, "bob")
+    with store.begin() as connection:
+        revoke_operator(connection, "bob", actor="tests", now=2.0, reason="left the team")
+    code, _, err = cli(capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", token)
+    assert code == 2 and "refused" in err
+    with store.connect() as connection:
+        assert list_proposals(connection, run.name)[0]["status"] == "pending"
+
+
+@both_backends
+def test_two_concurrent_approvals_one_wins_the_other_is_told_why(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path, served: BackgroundServer
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    tokens = [operator(store, "alice"), operator(store, "carol")]
+    barrier, answers = threading.Barrier(2), []
+
+    def approve(token: str) -> None:
+        barrier.wait()
+        answers.append(
+            httpx.post(
+                f"{served.url}/v1/proposals/{proposal['id']}/approve",
+                json={"reason": "go"},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=30,
+            )
+        )
+
+    threads = [threading.Thread(target=approve, args=(t,)) for t in tokens]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(a.status_code for a in answers) == [200, 409]
+    loser = next(a for a in answers if a.status_code == 409).json()
+    assert "already executing by" in loser["message"]
+    with store.connect() as connection:
+        assert audit.verify(connection).ok
+        approvals = [e for e in audit.story(connection, proposal["incident"]) if e["action"] == "approved"]
+    assert len(approvals) == 1
+
+
+def test_a_rejection_needs_a_reason_and_is_recorded(
+    service: Service,
+    store: Engine,
+    run: RunHandle,
+    tmp_path: Path,
+    served: BackgroundServer,
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    headers = {"Authorization": f"Bearer {operator(store, 'dave')}"}
+    assert (
+        httpx.post(f"{served.url}/v1/proposals/{proposal['id']}/reject", json={}, headers=headers).status_code
+        == 422
+    )
+    done = httpx.post(
+        f"{served.url}/v1/proposals/{proposal['id']}/reject",
+        json={"reason": "known bad shard"},
+        headers=headers,
+    )
+    assert done.status_code == 200 and done.json()["proposal"]["status"] == "rejected"
+
+
+def ack(directive: int, rank: int, status: str, step: int) -> dict[str, Any]:
+    return {
+        "kind": "directive_ack",
+        "directive_id": directive,
+        "incarnation": INCARNATION,
+        "rank": rank,
+        "time": 500.0,
+        "status": status,
+        "step": step,
+    }
+
+
+def test_a_missed_step_is_reissued_then_all_done_and_a_clean_resume_resolves(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    outcome = service.decisions.approve(proposal["id"], "alice", "go")
+    first = outcome.proposal["directive"]
+    post(service, run, [ack(first, 0, "done", 80), ack(first, 1, "missed", 95)])
+    with store.connect() as connection:
+        current = list_proposals(connection, run.name)[0]
+    second = current["directive"]
+    assert second != first and current["status"] == "executing"
+    post(service, run, [ack(second, 0, "done", 105), ack(second, 1, "done", 105)])
+    with store.connect() as connection:
+        assert list_proposals(connection, run.name)[0]["status"] == "done"
+    restored = {
+        "optimizer_step": 20,
+        "exp_avg_norm": 0.1,
+        "exp_avg_sq_norm": 0.01,
+        "lr": 1e-3,
+        "scheduler_last_epoch": 20,
+        "consumed": 160,
+    }
+    post(
+        service,
+        run,
+        [{"kind": "run_start", "incarnation": NEW_INCARNATION, "time": 600.0, "world_size": 2}]
+        + [
+            {
+                "kind": "resume",
+                "incarnation": NEW_INCARNATION,
+                "rank": r,
+                "time": 600.0,
+                "checkpoint_path": str(tmp_path / "ckpt-20"),
+                "restored": {**restored, "first_sample_ids": [f"b21-{r}"]},
+            }
+            for r in range(2)
+        ],
+    )
+    with store.connect() as connection:
+        incident = queries.get_incident(connection, proposal["incident"])
+    assert incident["status"] == "resolved"
+    actions = [e["action"] for e in incident["story"]]
+    assert actions[-2:] == ["resume_verified", "incident_resolved"]
+    assert "directive_reissued" in actions
+
+
+def test_retries_are_bounded_per_incident(store: Engine, run: RunHandle, tmp_path: Path) -> None:
+    config = ServiceConfig(
+        admin_token=ADMIN_TOKEN, decisions=DecisionConfig(retries=RetryConfig(per_incident=1))
+    )
+    service = Service(store, config)
+    proposal = spiked_run(service, run, tmp_path)
+    service.decisions.approve(proposal["id"], "alice", "first try")
+    with store.begin() as connection:  # the rollback ran; the same fault comes back
+        connection.execute(sa.update(models.Proposal).values(status="done"))
+    post(service, run, windows(range(75, 78), spike=76))
+    with store.connect() as connection:
+        newest = list_proposals(connection, run.name)[-1]
+    assert (newest["action"], newest["status"]) == ("escalate", "escalated")
+    assert "escalate" in newest["evidence"]["reasons"][0]
+
+
+def test_auto_approve_is_opt_in_per_kind_and_hardware_quarantine_runs_its_command(
+    store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    config = ServiceConfig(
+        admin_token=ADMIN_TOKEN,
+        decisions=DecisionConfig(
+            proposals=ProposalConfig(auto_approve=frozenset({"spike"})),
+            actions=ActionConfig(command=f"{sys.executable} -c \"print('drain {{node}}')\"", live=True),
+        ),
+    )
+    service = Service(store, config)
+    proposal = spiked_run(service, run, tmp_path)
+    with store.connect() as connection:
+        current = list_proposals(connection, run.name)[0]
+    assert (current["status"], current["decided_by"]) == ("executing", "policy:auto-approve")
+    assert proposal["quarantine"]["node"] is None  # undetermined never quarantines
+    with store.connect() as connection:
+        assert connection.execute(sa.select(sa.func.count()).select_from(models.Action)).scalar_one() == 0
+
+
+def test_a_replay_that_blames_the_data_reproposes_skipping_the_batch(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    script = tmp_path / "replay.py"
+    script.write_text(
+        "import json, sys\n"
+        "spec = json.load(open(sys.argv[1]))\n"
+        "assert spec['checkpoint']['step'] == 20 and spec['first_affected_step'] == 65\n"
+        "json.dump({'reproduced': True, 'skip_cleared': True, 'batches': spec['suspect_batches']}, open(sys.argv[2], 'w'))\n"
+    )
+    db = str(store.url.database)
+    code, out, err = cli(
+        capsys,
+        "replay",
+        str(proposal["incident"]),
+        "--db",
+        db,
+        "--json",
+        "--command",
+        f"{sys.executable} {script} {{spec}} {{result}}",
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["verdict"] == "data"
+    with store.connect() as connection:
+        old, new = list_proposals(connection, run.name)
+    assert old["status"] == "superseded"
+    assert (new["verdict"], new["data_action"], new["skip_batches"]) == ("data", "skip", ["b65-0", "b65-1"])
+
+
+def tamper(store: Engine, statement: str) -> None:
+    with store.begin() as connection:
+        connection.execute(sa.text(statement))
+
+
+@pytest.mark.parametrize(
+    ("statement", "broken"),
+    [
+        ("UPDATE audit_log SET reason = 'nothing to see' WHERE seq = 3", 3),
+        ("DELETE FROM audit_log WHERE seq = 2", 3),
+        ("UPDATE audit_log SET seq = CASE seq WHEN 2 THEN 3 WHEN 3 THEN 2 END WHERE seq IN (2, 3)", 2),
+    ],
+)
+def test_audit_verify_catches_an_edit_a_deletion_and_a_swap(
+    service: Service,
+    store: Engine,
+    run: RunHandle,
+    tmp_path: Path,
+    statement: str,
+    broken: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    service.decisions.approve(proposal["id"], "alice", "go")  # four entries: opened, proposed, approved, directive
+    code, out, _ = cli(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
+    assert code == 0 and json.loads(out)["entries"] == 4
+    if "CASE" in statement:  # prev_hash is unique: swap through a free value
+        tamper(store, "UPDATE audit_log SET seq = 1000 WHERE seq = 2")
+        tamper(store, "UPDATE audit_log SET seq = 2 WHERE seq = 3")
+        tamper(store, "UPDATE audit_log SET seq = 3 WHERE seq = 1000")
+    else:
+        tamper(store, statement)
+    code, out, _ = cli(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
+    document = json.loads(out)
+    assert code == 1 and document["ok"] is False and document["broken_seq"] == broken
+
+
+@both_backends
+def test_concurrent_appends_never_fork_the_chain(store: Engine) -> None:
+    barrier = threading.Barrier(4)
+
+    def writer(n: int) -> None:
+        barrier.wait()
+        for i in range(10):
+            with store.begin() as connection:
+                audit.append(connection, actor=f"writer-{n}", action="note", subject=f"test:{i}", now=float(i))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with store.connect() as connection:
+        checked = audit.verify(connection)
+    assert checked.ok and checked.entries == 40
