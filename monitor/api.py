@@ -12,12 +12,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from monitor import decisions, directives, operators, queries
 from monitor.floats import dumps
 from monitor.ingest import ConflictError, InvalidRecord
+from monitor.metrics import metrics_registry
 from monitor.schemas import BatchIn, DecisionIn, DirectiveCreateIn, RunCreateIn
 from monitor.service import Service
 
@@ -97,9 +100,12 @@ def validate_batch(raw: bytes, max_records: int) -> BatchIn:
     return batch
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: Service, registry: CollectorRegistry | None = None) -> FastAPI:
     app = FastAPI(title="runhealth", version="1", docs_url=None, redoc_url=None)
     app.state.service = service
+    # The app's own registry (never prometheus-client's global one): two services in one
+    # process, as in the tests, export only their own runs.
+    app.state.metrics = metrics = metrics_registry(service, registry)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> Response:
@@ -133,6 +139,11 @@ def create_app(service: Service) -> FastAPI:
             return json_response(service.healthy())
         except Exception as exc:  # the store is down: say so, with a status a probe reads
             return json_response({"status": "error", "message": str(exc)}, 503)
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        """Prometheus exposition, read from the store and the service at scrape time."""
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/runs")
     async def create_run(request: Request) -> Response:

@@ -154,6 +154,7 @@ def serve(
         uvicorn_server(service, log_level).run(sockets=[sock])
     finally:
         scheduler.shutdown(wait=False)
+        service.tracing.shutdown()  # exports the spans still queued
 
 
 @db_app.command("upgrade")

@@ -6,8 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from monitor.actions import ActionConfig
+from monitor.canaries import CanaryServiceConfig
 from monitor.decisions import DecisionConfig
 from monitor.engine import EngineConfig
+from monitor.metrics.config import MetricsConfig
 from policies.devices import DevicesConfig
 
 
@@ -49,6 +51,8 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     decisions: DecisionConfig = field(default_factory=DecisionConfig)
+    canaries: CanaryServiceConfig = field(default_factory=CanaryServiceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], db: str | None = None) -> ServiceConfig:
@@ -56,6 +60,7 @@ class ServiceConfig:
             db=db or environ.get("RUNHEALTH_DB") or None,
             admin_token=environ.get("RUNHEALTH_ADMIN_TOKEN") or None,
             decisions=DecisionConfig(actions=ActionConfig.from_environ(environ)),
+            metrics=MetricsConfig.from_environ(environ),
             ingest=IngestConfig(
                 max_batch_bytes=_int(environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes),
                 max_batch_records=_int(

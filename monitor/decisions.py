@@ -21,8 +21,8 @@ from sqlalchemy.engine import Connection, Engine
 from monitor import audit, checkpoints, directives, models
 from monitor.actions import ActionConfig, quarantine
 from monitor.incidents import close_incident
-from monitor.replays import latest_evidence
-from policies.diagnosis import diagnose
+from monitor.evidence import incident_evidence
+from policies.diagnosis import Verdict, diagnose
 from policies.proposals import IncidentFacts, Proposal, ProposalConfig, act_at_step, propose
 from policies.retries import RetryConfig, Rollback, may_roll_back
 
@@ -111,6 +111,23 @@ class Decisions:
             )
         return self._consider(connection, run_id, incident_id, actor=actor)
 
+    def reconsider_ranks(self, run_id: int, ranks: Sequence[int]) -> list[int]:
+        """Hardware evidence on these ranks' devices: re-propose their open incidents, and
+        propose for the canary incidents themselves."""
+        proposals = []
+        with self._lock, self._engine.begin() as connection:
+            incidents = connection.execute(
+                sa.select(INCIDENT.c.id, INCIDENT.c.ranks, INCIDENT.c.kind).where(
+                    INCIDENT.c.run_id == run_id, INCIDENT.c.status == "open"
+                )
+            ).all()
+            for incident in incidents:
+                if set(incident.ranks or []) & set(ranks):
+                    proposal_id = self.repropose(connection, run_id, incident.id, actor="engine")
+                    if proposal_id is not None:
+                        proposals.append(proposal_id)
+        return proposals
+
     def _consider(self, connection: Connection, run_id: int, incident_id: int, actor: str) -> int | None:
         incident = (
             connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == incident_id)).mappings().first()
@@ -136,7 +153,9 @@ class Decisions:
             current_step=self._highest_step(connection, run_id),
             batches=self._batches(connection, run_id, incident),
         )
-        diagnosis = diagnose(latest_evidence(connection, incident_id))
+        diagnosis = diagnose(incident_evidence(connection, incident))
+        if incident["kind"] == "canary" and diagnosis.verdict is not Verdict.HARDWARE:
+            return None  # one transient mismatch: the next canary round decides
         retry = may_roll_back(self._rollbacks(connection, run_id), incident_id, now, self._config.retries)
         proposal = propose(facts, known, unsafe, diagnosis, retry, self._config.proposals)
         if proposal is None:

@@ -65,6 +65,9 @@ KEYED_TABLES: dict[str, TableSpec] = {
     "stack_dump": TableSpec(
         models.table_of(models.StackDump), ("incarnation", "rank", "time"), has_dicts=False
     ),
+    "canary_result": TableSpec(
+        models.table_of(models.CanaryResult), ("incarnation", "rank", "step"), flat=False
+    ),
     "directive_ack": TableSpec(models.table_of(models.DirectiveAck), ("directive_id", "incarnation", "rank")),
 }
 

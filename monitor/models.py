@@ -494,6 +494,65 @@ class AuditEntry(Base):
     hash: Mapped[str] = mapped_column(sa.String(64))
 
 
+class CanaryResult(Base):
+    """One device's canary run at one step. Key: (run, incarnation, rank, step)."""
+
+    __tablename__ = "canary_results"
+    __table_args__ = (
+        sa.UniqueConstraint("run_id", "incarnation", "rank", "step"),
+        sa.Index("ix_canary_results_run_judged", "run_id", "judged"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    incarnation: Mapped[str] = mapped_column(sa.String(64))
+    rank: Mapped[int]
+    step: Mapped[int]
+    directive_id: Mapped[int | None]
+    node: Mapped[str | None] = mapped_column(sa.String(200))
+    device_uuid: Mapped[str | None] = mapped_column(sa.String(100))
+    stack_key: Mapped[str] = mapped_column(sa.String(64))
+    stack: Mapped[dict[str, Any]]
+    kernels: Mapped[dict[str, Any]]
+    rerun: Mapped[dict[str, Any] | None]
+    seconds: Mapped[float]
+    over_budget: Mapped[bool]
+    time: Mapped[float]
+    received_at: Mapped[float]
+    content_hash: Mapped[str] = mapped_column(sa.String(32))
+    judged: Mapped[bool] = mapped_column(default=False)
+    verdict: Mapped[str | None] = mapped_column(sa.String(16))
+
+
+class CanaryGolden(Base):
+    """A stack's agreed fingerprint of one kernel, once a quorum of devices matched it."""
+
+    __tablename__ = "canary_golden"
+
+    stack_key: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    kernel: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(sa.String(64))
+    summary: Mapped[list[Any]]
+    deterministic: Mapped[bool]
+    established_at: Mapped[float]
+    established_step: Mapped[int]
+    run_id: Mapped[int | None]
+
+
+class CanarySchedule(Base):
+    """A run's canary schedule: kept here, so it survives a service restart."""
+
+    __tablename__ = "canary_schedules"
+
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    enabled: Mapped[bool]
+    interval_s: Mapped[float | None]
+    """Fixed interval; ``None``: as often as the budget allows (policies.canary)."""
+    budget_fraction: Mapped[float]
+    last_issued_at: Mapped[float | None]
+    created_at: Mapped[float]
+
+
 def table_of(model: type[Base]) -> sa.Table:
     """A model's Core table, typed as one (``__table__`` is typed as a generic FromClause)."""
     table = model.__table__

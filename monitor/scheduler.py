@@ -26,13 +26,16 @@ class ScheduleConfig:
       heartbeat of its timeout.
     - ``peer_compare_s`` 300: error rates over five minutes; a single error in one 10 s
       sample interval is not a burst.
+    - ``canary_s`` 30: how often due canary schedules are issued and rounds that lost a rank
+      are judged; the schedules' own intervals (minutes to hours) are kept in the store.
     """
 
     hang_check_s: float = 5.0
     peer_compare_s: float = 300.0
+    canary_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.hang_check_s <= 0 or self.peer_compare_s <= 0:
+        if self.hang_check_s <= 0 or self.peer_compare_s <= 0 or self.canary_s <= 0:
             raise ValueError("ScheduleConfig: periods must be positive")
 
 
@@ -49,8 +52,10 @@ def _guarded(name: str, job: Callable[[], object]) -> Callable[[], None]:
 def start_scheduler(service: Service, config: ScheduleConfig) -> BackgroundScheduler:
     scheduler = BackgroundScheduler(timezone=UTC)
     jobs = {
-        "hang_check": (service.hangs.check, config.hang_check_s),
-        "peer_compare": (service.fleet.compare_peers, config.peer_compare_s),
+        "hang_check": (service.check_hangs, config.hang_check_s),
+        "peer_compare": (service.compare_peers, config.peer_compare_s),
+        "canary_schedule": (service.canaries.schedule_due, config.canary_s),
+        "canary_rounds": (service.canaries.judge_waiting, config.canary_s),
     }
     for name, (job, seconds) in jobs.items():
         scheduler.add_job(

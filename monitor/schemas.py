@@ -173,6 +173,31 @@ class DirectiveAckIn(_Record):
     detail: dict[str, Any] | None = None
 
 
+class KernelIn(_Record):
+    fingerprint: Annotated[str, Field(min_length=1, max_length=128)]
+    summary: list[Real] = Field(default_factory=list, max_length=16)
+    deterministic: bool = True
+
+
+class CanaryResultIn(_Record):
+    """One device's canary suite run at one step (and its immediate re-run, if it missed)."""
+
+    kind: Literal["canary_result"]
+    incarnation: IncarnationId
+    rank: Count
+    step: Count
+    time: Real
+    stack: dict[str, Any]
+    stack_key: Annotated[str, Field(min_length=1, max_length=64)]
+    kernels: dict[Annotated[str, Field(max_length=64)], KernelIn]
+    seconds: Real
+    rerun: dict[Annotated[str, Field(max_length=64)], KernelIn] | None = None
+    over_budget: bool = False
+    directive_id: Count | None = None
+    node: Name | None = None
+    device_uuid: Name | None = None
+
+
 RecordIn = Annotated[
     StepIn
     | HeartbeatIn
@@ -183,7 +208,8 @@ RecordIn = Annotated[
     | CheckpointIn
     | ResumeIn
     | StackDumpIn
-    | DirectiveAckIn,
+    | DirectiveAckIn
+    | CanaryResultIn,
     Field(discriminator="kind"),
 ]
 
@@ -198,6 +224,7 @@ RECORD_KINDS = (
     "resume",
     "stack_dump",
     "directive_ack",
+    "canary_result",
 )
 
 
@@ -216,7 +243,7 @@ class RunCreateIn(BaseModel):
 class DirectiveCreateIn(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    kind: Literal["dump_stacks"]
+    kind: Literal["dump_stacks", "canary"]
     incarnation: IncarnationId | None = None
     ranks: list[Count] | None = None
 

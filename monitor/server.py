@@ -18,6 +18,7 @@ from monitor.config import ServiceConfig
 from monitor.db import StoreError, create_store_engine, resolve_url, sqlite_path
 from monitor.service import Service
 from monitor.tokens import new_token
+from monitor.tracing import Tracing
 
 
 def prepare_store(config: ServiceConfig, environ: Mapping[str, str]) -> Service:
@@ -35,7 +36,8 @@ def prepare_store(config: ServiceConfig, environ: Mapping[str, str]) -> Service:
                 "schema: run `runhealth db upgrade` first"
             )
         migrate.upgrade(engine)
-    return Service(engine, config)
+    # Tracing is off unless the OTEL_* variables configure an exporter.
+    return Service(engine, config, tracing=Tracing.from_environ(environ))
 
 
 def admin_token_for(config: ServiceConfig, token_file: Path) -> tuple[ServiceConfig, Path | None]:

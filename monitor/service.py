@@ -14,13 +14,17 @@ from sqlalchemy.engine import Engine
 
 from monitor import queries
 from monitor.config import ServiceConfig
+from monitor.canaries import CanaryWatch
 from monitor.decisions import Decisions
 from monitor.engine import PolicyEngine
 from monitor.fleet import FleetWatch
 from monitor.hangs import HangWatch
 from monitor.ingest import IngestResult, ingest_batch
+from monitor.metrics.sources import MetricSources
+from monitor.stages import StageSpans
 from monitor.summaries import fold_new_steps
 from monitor.tokens import digest_matches
+from monitor.tracing import EVALUATE, INGEST, Tracing
 
 log = logging.getLogger("runhealth.service")
 
@@ -31,6 +35,7 @@ class Service:
         engine: Engine,
         config: ServiceConfig,
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -40,14 +45,30 @@ class Service:
         self.hangs = HangWatch(engine, config.engine.hangs, self.policies.incidents, clock)
         self.policies.enrich_straggler = self.fleet.straggler_evidence
         self.decisions = Decisions(engine, config.decisions, clock)
+        self.canaries = CanaryWatch(
+            engine,
+            config.canaries,
+            self.policies.incidents,
+            clock,
+            on_hardware=self.decisions.reconsider_ranks,
+        )
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
         self.counters: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
+        # Observability: spans (off unless configured), and what /metrics reads beyond the store
+        # and this object, set by the components that own it (monitor.metrics.MetricSources).
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        self.stages = StageSpans(self.tracing, engine)
+        self.metric_sources = MetricSources()
 
     def count(self, run: str, what: str, n: int = 1) -> None:
         with self._counter_lock:
             self.counters[(run, what)] += n
+
+    def counter_snapshot(self) -> dict[tuple[str, str], int]:
+        with self._counter_lock:
+            return dict(self.counters)
 
     def run_id_for_token(self, run: str, token: str) -> int | None:
         """The run's id when ``token`` is its bearer token; ``None`` when it is not."""
@@ -56,14 +77,26 @@ class Service:
         return int(row.id) if digest_matches(token, row.token_hash) else None
 
     def ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
+        with self.tracing.span(INGEST, {"runhealth.run": run, "runhealth.records": len(records)}) as span:
+            result = self._ingest(run, run_id, records)
+            span.set_attributes(
+                {"runhealth.accepted": result.accepted, "runhealth.duplicates": result.duplicates}
+            )
+            self.stages.acknowledged(result.new_rows.get("directive_ack", []))
+        return result
+
+    def _ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
         with self._write_lock, self.engine.begin() as connection:
             result = ingest_batch(connection, run_id, records, self.clock())
             late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
         self.count(run, "accepted", result.accepted)
         self.count(run, "duplicates", result.duplicates)
         self.count(run, "late", len(late))
+        if any(record.kind == "run_start" for record in records):
+            self.canaries.ensure_schedule(run_id)
         try:
-            self.judge(run_id, result.new_rows, late)
+            with self.tracing.span(EVALUATE, {"runhealth.run": run}), self.stages.following():
+                self.judge(run_id, result.new_rows, late)
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")
@@ -80,9 +113,21 @@ class Service:
         touched += self.fleet.observe(
             run_id, new_rows.get("device_sample", []), new_rows.get("link_sample", [])
         )
+        if new_rows.get("canary_result"):
+            touched += self.canaries.judge(run_id)
         self.decisions.acknowledged(run_id, new_rows.get("directive_ack", []))
         self.decisions.resumed(run_id, new_rows.get("resume", []))
         self.decisions.consider(run_id, sorted(set(touched)))
+
+    def check_hangs(self) -> list[int]:
+        """The scheduler's hang check, with spans for the incidents and directives it records."""
+        with self.stages.following():
+            return self.hangs.check()
+
+    def compare_peers(self) -> list[int]:
+        """The scheduler's device and link peer comparison, likewise traced."""
+        with self.stages.following():
+            return self.fleet.compare_peers()
 
     def healthy(self) -> dict[str, Any]:
         with self.engine.connect() as connection:

@@ -15,6 +15,7 @@ from monitor.api import create_app
 from monitor.config import ServiceConfig
 from monitor.db import create_store_engine
 from monitor.service import Service
+from tests.prometheus_support import RULES, PrometheusServer
 from tests.support import ADMIN_TOKEN, PostgresServer, RunHandle, make_run, require_module
 
 
@@ -23,6 +24,18 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
     """One PostgreSQL 15 server for the whole session; each test gets its own database."""
     require_module("psycopg2")
     server = PostgresServer(tmp_path_factory.mktemp("postgres"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def prometheus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
+    """One Prometheus for the whole session, evaluating deploy/prometheus/rules.yml every
+    second; a test points it at its own targets (``set_targets``)."""
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), [RULES])
     server.start()
     try:
         yield server

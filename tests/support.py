@@ -327,6 +327,19 @@ def record_of_each_kind(directive_id: int = 1) -> list[dict[str, Any]]:
             "time": 1003.0,
             "status": "done",
         },
+        {
+            "kind": "canary_result",
+            "incarnation": INCARNATION,
+            "rank": 0,
+            "step": 0,
+            "time": 1004.0,
+            "stack": {"device_name": "NVIDIA H200", "cuda": "13.0", "torch": "2.11"},
+            "stack_key": "h200-cuda13",
+            "kernels": {"gemm_fp32": {"fingerprint": "ab" * 32, "summary": [1.5, "NaN", 2.0]}},
+            "seconds": 0.004,
+            "node": "node-0",
+            "device_uuid": "GPU-0",
+        },
     ]
 
 

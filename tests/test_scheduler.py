@@ -21,7 +21,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(service: 
     scheduler = start_scheduler(service, ScheduleConfig(hang_check_s=0.05, peer_compare_s=60))
     try:
         assert ran.wait(timeout=10)
-        assert {job.id for job in scheduler.get_jobs()} == {"hang_check", "peer_compare"}
+        assert {job.id for job in scheduler.get_jobs()} == {"hang_check", "peer_compare", "canary_schedule", "canary_rounds"}
     finally:
         scheduler.shutdown(wait=True)
 

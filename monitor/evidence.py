@@ -1,0 +1,68 @@
+"""Everything known about an incident's cause: replay verdicts and canary mismatches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from monitor import models
+from monitor.replays import latest_evidence
+from policies.diagnosis import Evidence
+
+FINDING = models.table_of(models.FindingRow)
+STEP = models.table_of(models.StepRecord)
+
+# Transient canary mismatches on one device that amount to hardware evidence: one can be a
+# cosmic ray; a second on the same device is a marginal part (published SDC experience).
+TRANSIENT_MISMATCHES_FOR_BLAME = 2
+
+
+def incident_evidence(connection: Connection, incident: Any) -> Evidence:
+    evidence = latest_evidence(connection, incident["id"])
+    if evidence.canary_mismatch or evidence.devices_differ:
+        return evidence
+    blamed = _canary_blamed(connection, incident)
+    if blamed is None:
+        return evidence
+    device, node, reason = blamed
+    return replace(
+        evidence, canary_mismatch=True, suspect_device=device, suspect_node=node, suspect_batches=()
+    )
+
+
+def _canary_blamed(connection: Connection, incident: Any) -> tuple[str, str | None, str] | None:
+    """A device of this incident (its own device for a canary incident; the devices of its
+    ranks otherwise) whose canary missed persistently, or transiently more than once."""
+    devices = set(incident["devices"] or [])
+    if incident["kind"] != "canary" and incident["ranks"]:
+        devices |= set(
+            connection.execute(
+                sa.select(STEP.c.device_uuid)
+                .where(
+                    STEP.c.run_id == incident["run_id"],
+                    STEP.c.incarnation == incident["incarnation"],
+                    STEP.c.rank.in_(incident["ranks"]),
+                    STEP.c.device_uuid.is_not(None),
+                )
+                .distinct()
+            ).scalars()
+        )
+    if not devices:
+        return None
+    rows = connection.execute(
+        sa.select(FINDING.c.device, FINDING.c.node, FINDING.c.evidence).where(
+            FINDING.c.run_id == incident["run_id"],
+            FINDING.c.kind == "canary_mismatch",
+            FINDING.c.device.in_(devices),
+        )
+    ).all()
+    for device in sorted(devices):
+        mine = [r for r in rows if r.device == device]
+        persistent = [r for r in mine if (r.evidence or {}).get("persistent")]
+        if persistent or len(mine) >= TRANSIENT_MISMATCHES_FOR_BLAME:
+            why = "persistent" if persistent else f"{len(mine)} transient"
+            return device, mine[0].node, why
+    return None
