@@ -111,36 +111,66 @@ class Faults:
     output: TensorHook | None = None
 
 
-@contextlib.contextmanager
-def canary_numerics() -> Iterator[dict[str, Any]]:
-    """The suite's numerics for its own run; the trainer's settings restored afterwards."""
+# (backend, op) switches of the fp32-precision API (torch >= 2.9); "ieee" is full float32.
+PRECISION_SWITCHES = (
+    ("cuda", "matmul"),
+    ("cudnn", "conv"),
+    ("cudnn", "rnn"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+)
+
+
+def _switch(backend: str, op: str) -> Any:
     import torch
 
-    saved = {
+    return getattr(getattr(torch.backends, backend), op)
+
+
+@contextlib.contextmanager
+def canary_numerics() -> Iterator[dict[str, Any]]:
+    """The suite's numerics for its own run; the trainer's settings restored afterwards.
+
+    Precision goes through the fp32-precision API where torch has it: reading or writing the
+    legacy flags (``allow_tf32``, ``set_float32_matmul_precision``) after a trainer used the
+    new API raises, and the new API reflects legacy settings, so saving and restoring through
+    it keeps either kind of trainer as it was.
+    """
+    import torch
+
+    new_api = hasattr(torch.backends, "fp32_precision")
+    saved: dict[str, Any] = {
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cuda_bf16_reduced": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "cuda_fp16_reduced": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cuda_bf16_reduced": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cuda_fp16_reduced": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
     }
+    if new_api:
+        saved["precision"] = {key: _switch(*key).fp32_precision for key in PRECISION_SWITCHES}
+    else:
+        saved["matmul_precision"] = torch.get_float32_matmul_precision()
+        saved["cuda_tf32"] = torch.backends.cuda.matmul.allow_tf32
+        saved["cudnn_tf32"] = torch.backends.cudnn.allow_tf32
     try:
         # warn_only: cuBLAS asks for CUBLAS_WORKSPACE_CONFIG to promise determinism; without
         # it the GEMM still runs (and is recorded in the stack as such) rather than failing.
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.allow_tf32 = False
+        if new_api:
+            for key in PRECISION_SWITCHES:
+                _switch(*key).fp32_precision = "ieee"
+        else:
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         flags = {
             "deterministic": True,
-            "matmul_precision": "highest",
+            "fp32_precision": "ieee",
             "tf32": False,
             "reduced_precision_reduction": False,
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -150,11 +180,15 @@ def canary_numerics() -> Iterator[dict[str, Any]]:
             yield flags
     finally:
         torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["warn_only"])
-        torch.set_float32_matmul_precision(saved["matmul_precision"])
-        torch.backends.cuda.matmul.allow_tf32 = saved["cuda_tf32"]
+        if new_api:
+            for key, value in saved["precision"].items():
+                _switch(*key).fp32_precision = value
+        else:
+            torch.set_float32_matmul_precision(saved["matmul_precision"])
+            torch.backends.cuda.matmul.allow_tf32 = saved["cuda_tf32"]
+            torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved["cuda_bf16_reduced"]
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved["cuda_fp16_reduced"]
-        torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
         torch.backends.cudnn.deterministic = saved["cudnn_deterministic"]
         torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
 
@@ -298,9 +332,10 @@ def describe_stack(device: torch.device) -> dict[str, Any]:
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown"

@@ -29,11 +29,12 @@ INCIDENT_KIND_OF_FINDING = {
     "link_state": "link",
     "link_error_rate": "link",
     "counter_saturated": "link",
+    "canary_mismatch": "canary",
 }
 
 # Incidents of these kinds are one per device, port or rank: two devices failing at nearby
 # steps are two incidents, each with its own quarantine decision.
-SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank"}
+SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank", "canary": "device"}
 
 # An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
 # level shift. Each entry: (current kind, finding's incident kind) -> refined kind.
