@@ -1,0 +1,26 @@
+"""runhealth's trainer side: the per-rank hook and what it needs, never the service.
+
+``import collectors`` needs only the standard library and httpx; torch is imported when the
+hook attaches. Server code (``monitor``) is never imported here.
+"""
+
+from collectors.checkpoints import build_manifest
+from collectors.config import ConfigError, HookConfig, RunHealthConfig
+from collectors.hook import RunHealth
+from collectors.samplers import RecordSink, Sampler
+from collectors.stacks import StackDump, dump_stacks
+from collectors.tokens import IGNORE_INDEX, supervised_tokens
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ConfigError",
+    "HookConfig",
+    "RecordSink",
+    "RunHealth",
+    "RunHealthConfig",
+    "Sampler",
+    "StackDump",
+    "build_manifest",
+    "dump_stacks",
+    "supervised_tokens",
+]

@@ -1,0 +1,707 @@
+"""``RunHealth``: the per-rank hook a trainer attaches with a few lines.
+
+    from collectors import RunHealth
+
+    with RunHealth(model=model, optimizer=optimizer) as rh:
+        for batch in rh.windows(loader, sample_ids=lambda b: b["ids"]):
+            loss = model(**batch).loss
+            rh.loss(loss, labels=batch["labels"])
+            loss.backward()
+            rh.grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+
+A window is one optimizer-step attempt (all its microbatches). Three counters stay apart:
+``attempt`` counts windows tried, skipped ones included; ``step`` counts successful updates,
+judged by the watched optimizer actually stepping: its step post-hook fires (a GradScaler that
+finds an inf skips ``optimizer.step`` altogether) and, for optimizers that take the scaler's
+found-inf flag into their own kernel (fused Adam/AdamW/SGD), that flag is clear. A drop in the
+scale alone is not proof: some trainers skip without lowering it. ``consumed`` counts examples
+globally (this rank's examples times the data-parallel size), skipped windows included, since
+their data was consumed.
+
+No host-device synchronization on the hot path, and little work: during a window the hook keeps
+references; at its end device values are summed on the device and copied without blocking into
+pinned host memory (``ring.py``), host values are left for the sender thread to read
+(``window.py``), and the record is rendered there once the copy is known to be complete. Every
+public method catches its own exceptions (``guard.py``): the training loop never sees one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from collectors import attach
+from collectors.checkpoints import checkpoint_record
+from collectors.collectives import collectives_for
+from collectors.config import RunHealthConfig
+from collectors.counters import Counters
+from collectors.embedded import mark_done
+from collectors.guard import Faults, guarded
+from collectors.layout import Identity, discover_identity, resolve_device
+from collectors.markers import marker_factory
+from collectors.phases import Phase, PhaseClock, stamps_for
+from collectors.restore import ResumeNote, gather_restored
+from collectors.ring import PinnedRing
+from collectors.samplers import Sampler
+from collectors.sender import Sender, Transport
+from collectors.stacks import StackDump, dump_stacks
+from collectors.values import found_inf, learning_rate, local_value, loss_scale, on_device
+from collectors.window import (
+    Counting,
+    PendingWindow,
+    RenderContext,
+    StepDraft,
+    Totals,
+    WindowValues,
+    render_ids,
+)
+from collectors.wire import Record, to_wire
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("runhealth.collectors")
+
+Batch = TypeVar("Batch")
+Reduction = Literal["mean", "sum"]
+
+# Per-microbatch values are kept in lists and summed at the window's end (one stack instead of
+# a device add per microbatch); past this many they are folded, so memory stays bounded.
+FOLD_MICROBATCHES = 64
+
+
+class RunHealth:
+    """One per rank. Construct (cheap, no side effects), ``start()`` (attach), train, ``close()``.
+
+    ``model``: device and resume evidence; with accumulation, a forward pre-hook on it marks
+    each microbatch's forward. ``optimizer`` (one or several): step hooks count real updates and
+    read the learning rate used. ``scaler``: a GradScaler whose scale is recorded without a
+    sync. ``scheduler``: read only at resume. ``mesh`` or ``groups``
+    (``{"dp": pg, "tp": pg, ...}``): the parallel layout; plain data parallelism otherwise.
+    ``samplers``: built with ``submit`` as their sink, started at attach (``samplers.py``). ``transport``: where batches
+    go instead of the HTTP service (tests, custom sinks). ``environ``: the environment, read
+    once here (``os.environ`` when omitted). Objects created later: ``watch(...)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        scheduler: Any = None,
+        mesh: Any = None,
+        groups: Mapping[str, Any] | None = None,
+        device: Any = None,
+        run_config: Mapping[str, Any] | None = None,
+        samplers: Sequence[Sampler] = (),
+        transport: Transport | None = None,
+        config: RunHealthConfig | None = None,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+        hostname: Callable[[], str] = attach.hostname,
+    ) -> None:
+        self._environ = dict(os.environ if environ is None else environ)  # the one read
+        self.config = config or RunHealthConfig.from_environ(self._environ)
+        self._counters = Counters()
+        self.faults = Faults(self._counters)
+        self._clock = clock
+        self._hostname = hostname
+        self._layout_args = (mesh, groups, device)
+        self._run_config = dict(run_config or {})
+        self._samplers = list(samplers)
+        self._transport = transport
+        self._model: Any = None
+        self._optimizers: list[Any] = []
+        self._scaler: Any = None
+        self._scheduler: Any = None
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+        self._started = self._active = self._closed = False
+        self._destination: attach.Destination | None = None
+        self._window: WindowValues | None = None
+        self._last_end: float | None = None
+        self._attempt = self._step = 0
+        self._consumed: int | None = 0
+        # Records handed over before start, sent at start; events get the identity then.
+        self._early: list[tuple[Record, bool]] = []
+        self._resume: ResumeNote | None = None
+        self._totals = Totals()
+        self._forward_hooked = False
+        hook_config = self.config.hook
+        self._counting = Counting(hook_config.shift_labels, hook_config.ignore_index)
+        self._logged: set[str] = set()
+        self.watch(model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler)
+
+    # Attaching and closing.
+
+    def start(self) -> RunHealth:
+        """Attach: learn who this rank is, agree on the incarnation, start sending. Every rank
+        must call it (it runs attach-time collectives). Idempotent; returns ``self``."""
+        if not self._started:
+            self._started = True
+            try:
+                self._attach()
+                self._active = True
+            except Exception:
+                self.faults.record("start")
+                log.error("runhealth: attach failed; the hook stays off for this process")
+            else:
+                self._after_attach()
+        return self
+
+    def _attach(self) -> None:
+        torch = importlib.import_module("torch")
+        self._torch = torch
+        mesh, groups, device = self._layout_args
+        self._device = resolve_device(device, self._model)
+        self.identity: Identity = discover_identity(
+            torch,
+            self._environ,
+            device=self._device,
+            mesh=mesh,
+            groups=groups,
+            hostname=self._hostname,
+        )
+        collectives = collectives_for(torch)
+        ids = attach.agree_on_run(collectives, self.config.transport.run, self._environ)
+        self.incarnation, self.run = ids.incarnation, ids.run
+        if self.config.transport.url or self._transport is not None:
+            self._destination = attach.configured(self.config)
+        else:
+            self._destination = attach.embedded(
+                self.config, self.identity, ids.run, collectives, self._environ
+            )
+        self._sender: Sender = attach.build_sender(
+            self.config,
+            self.identity,
+            ids,
+            self._destination,
+            self._counters,
+            transport=self._transport,
+            heartbeat=self._heartbeat,
+            poll=self._drain_ready,
+        )
+        device_type = self._device.type
+        new_marker = marker_factory(device_type)
+        self._ring = PinnedRing[PendingWindow](self.config.ring, device=self._device, new_marker=new_marker)
+        self._phases = PhaseClock(stamps_for(device_type), self.config.hook.max_phase_marks, self._clock)
+        self._render_context = RenderContext(
+            self.identity.record_fields(self.incarnation),
+            self._counting,
+            self.config.hook.max_sample_ids,
+            self._phases,
+        )
+        self._dp_size = self.identity.layout.dp.size
+
+    def _after_attach(self) -> None:
+        self._sender.start()
+        if self.identity.rank == 0:
+            self._sender.submit(self._run_start())
+        for record, is_event in self._early:
+            if is_event:
+                self._submit_event(record)
+            else:
+                self._sender.submit(record)
+        self._early.clear()
+        for sampler in self._samplers:
+            self._start_sampler(sampler)
+
+    def close(self, status: Literal["completed", "failed", "stopped"] = "completed") -> None:
+        """Record what is left, flush (bounded), stop samplers and the embedded service."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._active:
+            self._close(status)
+        self._active = False
+
+    @guarded
+    def _close(self, status: str) -> None:
+        if self._window is not None:
+            self.window_end()
+        with self._lock:
+            # Waiting for the device here is fine: training is over.
+            self._emit(self._ring.drain())
+        self._flush_resume()
+        self._phases.enter(Phase.CLOSED)
+        if self.identity.rank == 0:
+            self._sender.submit(
+                {
+                    "kind": "run_finish",
+                    "incarnation": self.incarnation,
+                    "time": self._clock(),
+                    "status": status,
+                }
+            )
+        for sampler in self._samplers:
+            self._stop_sampler(sampler)
+        for handle in self._handles:
+            handle.remove()
+        self._sender.close()
+        self._release_service()
+
+    def _release_service(self) -> None:
+        destination = self._destination
+        if destination is None:
+            return
+        if destination.endpoint is not None:
+            mark_done(destination.endpoint, self.identity.rank)
+        if destination.service is not None:
+            destination.service.stop(destination.endpoint, destination.node_ranks)
+
+    def __enter__(self) -> RunHealth:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close("failed" if exc_type is not None else "completed")
+
+    # Late wiring (framework adapters create the optimizer after the callback).
+
+    @guarded
+    def watch(
+        self, *, model: Any = None, optimizer: Any = None, scaler: Any = None, scheduler: Any = None
+    ) -> None:
+        if model is not None and self._model is None:
+            self._model = model
+        optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
+        for item in optimizers:
+            if item is not None and all(item is not known for known in self._optimizers):
+                self._optimizers.append(item)
+                self._handles.append(item.register_step_pre_hook(self._before_optimizer_step))
+                self._handles.append(item.register_step_post_hook(self._after_optimizer_step))
+        self._scaler = scaler if scaler is not None else self._scaler
+        self._scheduler = scheduler if scheduler is not None else self._scheduler
+
+    # The window: the hot path. No host-device synchronization from here to window_end, and as
+    # little work as possible: host values are only referenced here and read on the sender
+    # thread (``window.py``).
+
+    def windows(
+        self,
+        batches: Iterable[Batch],
+        *,
+        sample_ids: Callable[[Batch], Any] | None = None,
+        microbatches: int = 1,
+    ) -> Iterator[Batch]:
+        """Iterate ``batches`` as windows of ``microbatches`` batches each, timing the wait for
+        each batch as data wait. Exceptions from the loader itself are the trainer's and pass."""
+        self.start()
+        iterator = iter(batches)
+        while True:
+            for index in range(max(1, microbatches)):
+                if index:
+                    self._enter(Phase.DATA)
+                waited = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    if index:
+                        self.window_end()
+                    return
+                self._microbatch_arrived(index, time.perf_counter() - waited, sample_ids, batch)
+                yield batch
+            self.window_end()
+
+    @guarded
+    def window_start(
+        self,
+        *,
+        sample_ids: Any = None,
+        examples: int | None = None,
+        data_wait_s: float | None = None,
+    ) -> None:
+        """Open a window. ``sample_ids``: host ints or strings (a list, or a CPU tensor or
+        array; a CUDA tensor is ignored, since reading it would sync). ``examples``: this rank's
+        example count when it is not the number of ids or label rows."""
+        self.start()
+        if not self._active:
+            return
+        if self._window is not None:  # the trainer skipped window_end: close the open one
+            self.window_end()
+        if data_wait_s is None and self._last_end is not None:
+            data_wait_s = time.perf_counter() - self._last_end
+        self._attempt += 1
+        window = WindowValues(self._attempt, data_wait_s, self._sample_ids(sample_ids), examples)
+        if self._scaler is not None:
+            window.loss_scale = loss_scale(self._scaler)
+        if self._optimizers:
+            window.lr = learning_rate(self._optimizers[0])
+        self._window = window
+        self._phases.enter(Phase.FORWARD)
+        if self._resume is not None:
+            self._flush_resume()
+
+    @guarded
+    def loss(
+        self,
+        loss: Any,
+        *,
+        labels: Any = None,
+        tokens: Any = None,
+        reduction: Reduction = "mean",
+    ) -> None:
+        """One microbatch's loss, as the trainer computed it (unscaled).
+
+        ``reduction="mean"``: ``loss`` is a mean over supervised tokens, so the window's loss
+        sum adds ``loss * tokens``. ``"sum"``: ``loss`` is already a sum. ``tokens`` (a count)
+        or ``labels`` (counted as ``tokens.py`` says) give the supervised tokens. Only kept
+        here; settled at the window's end.
+        """
+        window = self._window
+        if window is None:
+            self._note_once("loss", "loss() outside a window is ignored (call window_start)")
+            return
+        window.sum_reduction = reduction == "sum"
+        window.count += 1
+        if window.count == 2 and not self._forward_hooked:
+            self._hook_forward()
+        window.microbatches.append((loss, labels, tokens))
+        if len(window.microbatches) >= FOLD_MICROBATCHES:
+            self._settle(window)
+        self._phases.enter(Phase.BACKWARD)
+
+    @guarded
+    def grad_norm(self, norm: Any) -> None:
+        """The total gradient norm before clipping (what ``clip_grad_norm_`` returns). Under
+        tensor or sharded parallelism pass what this rank has: the record marks it partial."""
+        window = self._window
+        if window is not None:
+            window.grad_norm = norm
+            self._phases.enter(Phase.OPTIMIZER)
+
+    @guarded
+    def optimizer_step_observed(self) -> None:
+        """An update happened in this window (called by the optimizer's step post-hook, or by an
+        adapter that sees the step another way)."""
+        if self._window is not None:
+            self._window.updates += 1
+
+    @guarded
+    def window_end(self) -> None:
+        """Close the window and start its device values' trip to the host; hand the windows
+        whose values have arrived to the sender. Never waits for the device, except when the
+        ring is full (``PinnedRing.pop_oldest``)."""
+        window = self._window
+        if window is None or not self._active:
+            return
+        self._window = None
+        self._phases.enter(Phase.DATA)
+        self._last_end = time.perf_counter()
+        pending, tensors = self._finish(window)
+        with self._lock:
+            ring = self._ring
+            if not tensors and not len(ring) and self._phases.host_timed:
+                # Nothing on the device, nothing in flight, phases timed by the host clock
+                # (every step of a CPU run): the window is complete already, and the ring would
+                # only add cost. On a GPU its phase events still need the ring's marker.
+                self._emit([(pending, [])])
+                return
+            ready = ring.pop_ready()
+            if ring.full:
+                ready.append(ring.pop_oldest())
+                self._counters.add("ring_waits")
+            ring.push(tensors, pending)
+            self._emit(ready)
+
+    def _settle(self, window: WindowValues) -> None:
+        """Microbatches taken as given become settled totals; a window of very many folds."""
+        totals = self._totals
+        count_rows = window.examples is None and window.sample_ids is None
+        totals.settle(window.microbatches, window.sum_reduction, self._counting, count_rows)
+        window.microbatches = []
+        if len(totals.host) + len(totals.device_losses) >= FOLD_MICROBATCHES:
+            totals.fold(self._torch, window.sum_reduction, self._counting)
+
+    def _finish(self, window: WindowValues) -> tuple[PendingWindow, list[torch.Tensor]]:
+        """Settle the window, advance the three counters, split host facts from device values."""
+        self._settle(window)
+        totals, self._totals = self._totals, Totals()
+        window.grad_norm = local_value(window.grad_norm, self._device)
+        # A device verdict is unknown here: counted as an update now, corrected when rendered.
+        updated = window.updates > 0 or bool(window.verdicts)
+        if updated or not self._optimizers:
+            self._step += 1
+        examples = window.local_examples(totals)
+        if examples is None:
+            self._consumed = None  # unknown from here on, rather than wrong
+        elif self._consumed is not None:
+            self._consumed += examples * self._dp_size
+        names, tensors = totals.device_values(window, self._torch)
+        skipped = (not updated) if self._optimizers else None
+        marks = self._phases.take_window()
+        pending = PendingWindow(
+            window, totals, self._step, self._consumed, skipped, self._clock(), names, marks
+        )
+        return pending, tensors
+
+    def _emit(self, ready: list[tuple[PendingWindow, list[float]]]) -> None:
+        """Hand completed windows to the sender as drafts (the caller holds the lock, so the
+        order is kept); the sender renders them into records."""
+        for pending, values in ready:
+            self._sender.submit(StepDraft(self._render_context, pending, values))
+
+    def _drain_ready(self) -> None:
+        """From the sender thread: records reach the store while the trainer is stuck."""
+        if self._active:
+            with self._lock:
+                self._emit(self._ring.pop_ready())
+
+    # Values without a sync.
+
+    def _sample_ids(self, ids: Any) -> Any:
+        """The ids as given (rendered on the sender thread); a list is copied, since trainers
+        reuse lists more often than tensors."""
+        if ids is None or type(ids) is list:
+            return None if ids is None else list(ids)
+        if on_device(ids):
+            self._note_once("cuda_ids", "sample ids on a CUDA device are ignored (reading = sync)")
+            return None
+        return list(ids) if isinstance(ids, list | tuple) else ids
+
+    # Framework callbacks: guarded like every entry point, since they run inside training.
+
+    def _hook_forward(self) -> None:
+        """Mark each microbatch's forward with a pre-hook on the model, once a window turns out
+        to have several: a single-microbatch window's forward starts at ``window_start``, and
+        any hook on a module sends every call through the module's slower hook path."""
+        self._forward_hooked = True
+        if self._model is not None:
+            self._handles.append(self._model.register_forward_pre_hook(self._before_forward))
+
+    @guarded
+    def _before_forward(self, _module: Any, _args: Any) -> None:
+        if self._window is not None:
+            self._phases.enter(Phase.FORWARD)
+
+    @guarded
+    def _before_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        window = self._window
+        if window is not None:
+            self._phases.enter(Phase.OPTIMIZER)
+            window.lr = learning_rate(optimizer)  # the rate this update uses
+
+    @guarded
+    def _after_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The step ran. With a GradScaler, an optimizer that handles AMP scaling itself (fused
+        Adam, AdamW, SGD) is stepped even when the gradients overflowed, and skips the update
+        inside its kernel: the scaler's found-inf flag (set on the optimizer for the step) says
+        which. On the CPU it is read at once; on a device it travels through the ring."""
+        window = self._window
+        if window is None:
+            return
+        flag = found_inf(optimizer)
+        if flag is None:
+            window.updates += 1
+        elif flag.is_cpu:
+            window.updates += int(flag.item() == 0)
+        else:
+            window.verdicts = [*(window.verdicts or []), flag]
+
+    @guarded
+    def _microbatch_arrived(
+        self, index: int, waited: float, sample_ids: Callable[[Any], Any] | None, batch: Any
+    ) -> None:
+        ids = sample_ids(batch) if sample_ids is not None else None
+        if index == 0:
+            self.window_start(sample_ids=ids, data_wait_s=waited)
+            return
+        window = self._window
+        if window is None:
+            return
+        window.data_wait_s = (window.data_wait_s or 0.0) + waited
+        extra = self._sample_ids(ids)
+        if extra is not None:  # accumulation: the window's ids are its microbatches' ids
+            limit = self.config.hook.max_sample_ids
+            window.sample_ids = [
+                *(render_ids(window.sample_ids, limit) or []),
+                *(render_ids(extra, limit) or []),
+            ]
+        self._phases.enter(Phase.FORWARD)
+
+    @guarded
+    def _enter(self, phase: Phase) -> None:
+        if self._active:
+            self._phases.enter(phase)
+
+    # Checkpoints and resumes.
+
+    @guarded
+    def checkpoint_saved(
+        self,
+        step: int,
+        path: str,
+        *,
+        manifest: Mapping[str, Any] | None = None,
+        consumed: int | None = None,
+        tags: Sequence[str] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """A committed checkpoint (call it after the last file and the manifest landed). The
+        store keys checkpoints by path, so rank 0 sends and other ranks' calls do nothing."""
+        record = checkpoint_record(
+            step, path, self._clock(), manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
+        )
+        self._submit_event(record)
+
+    @guarded
+    def resumed(
+        self,
+        *,
+        checkpoint_path: str | None = None,
+        checkpoint_step: int | None = None,
+        consumed: int | None = None,
+        first_sample_ids: Any = None,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """What a restart restored. Reads device values (moment norms, the scale): a sync,
+        fine once at resume. Objects default to the watched ones. The step counter continues
+        from ``checkpoint_step`` (else the optimizer's step counter), ``consumed`` likewise;
+        the first batch's ids come from the first window unless given."""
+        watched_optimizer = self._optimizers[0] if self._optimizers else None
+        restored = gather_restored(
+            model=model if model is not None else self._model,
+            optimizer=optimizer if optimizer is not None else watched_optimizer,
+            scheduler=scheduler if scheduler is not None else self._scheduler,
+            scaler=scaler if scaler is not None else self._scaler,
+        )
+        restored.update(extra or {})
+        step = checkpoint_step
+        if step is None and "optimizer_step_max" in restored.get("optimizer", {}):
+            step = int(restored["optimizer"]["optimizer_step_max"])
+        if step is not None:
+            self._step = step
+        if consumed is not None:
+            self._consumed = consumed
+        restored.update(resumed_step=step, consumed=consumed)
+        if first_sample_ids is not None:
+            restored["first_sample_ids"] = render_ids(first_sample_ids, self.config.hook.max_sample_ids)
+        self._resume = ResumeNote(to_wire(restored), checkpoint_path, checkpoint_step, self._clock())
+        if first_sample_ids is not None or self._window is not None:
+            self._flush_resume()
+
+    def _flush_resume(self) -> None:
+        """Send the pending resume event, with the current window's first ids if it lacks them."""
+        resume = self._resume
+        if resume is None or not self._active:
+            return
+        self._resume = None
+        ids = self._window.sample_ids if self._window is not None else None
+        self._submit_event(resume.record(render_ids(ids, self.config.hook.max_sample_ids)))
+
+    def _submit_event(self, record: Record) -> None:
+        """Checkpoint and resume events: identity added at send time (known after start)."""
+        if not self._active:
+            if len(self._early) < self.config.sender.queue_records:
+                self._early.append((record, True))
+            return
+        if record["kind"] == "checkpoint" and self.identity.rank != 0:
+            return
+        self._sender.submit({**record, "incarnation": self.incarnation, "rank": self.identity.rank})
+
+    # Samplers, hang evidence, counters.
+
+    @guarded
+    def submit(self, record: dict[str, Any]) -> None:
+        """The sink samplers hand records to (any thread; never blocks)."""
+        wire = to_wire(record)
+        if self._active:
+            self._sender.submit(wire)
+        elif not self._closed and len(self._early) < self.config.sender.queue_records:
+            self._early.append((wire, False))
+
+    @guarded
+    def add_sampler(self, sampler: Sampler) -> None:
+        self._samplers.append(sampler)
+        if self._active:
+            self._start_sampler(sampler)
+
+    @guarded
+    def _start_sampler(self, sampler: Sampler) -> None:
+        sampler.start()
+
+    @guarded
+    def _stop_sampler(self, sampler: Sampler) -> None:
+        sampler.stop()
+
+    @guarded
+    def stack_dump(self) -> StackDump:
+        """Every Python thread's stack (and the NCCL flight recorder when it is on). The hook
+        point for the service's dump request; safe from any thread while training is stuck."""
+        return dump_stacks(nccl_trace=self.config.hook.nccl_trace)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot: sent, spooled, replayed, dead_lettered, dropped, and the rest."""
+        return self._counters.snapshot()
+
+    @property
+    def progress(self) -> dict[str, int | None]:
+        """The three counters: windows attempted, successful updates, consumed examples."""
+        context = getattr(self, "_render_context", None)
+        step = self._step - (context.device_skips.count if context is not None else 0)
+        return {"attempt": self._attempt, "step": step, "consumed": self._consumed}
+
+    @property
+    def spool_path(self) -> str | None:
+        sender = getattr(self, "_sender", None)
+        return None if sender is None else str(sender.spool_path)
+
+    @property
+    def embedded_pid(self) -> int | None:
+        """The PID of the embedded service this rank started, if it started one."""
+        destination = self._destination
+        if destination is None or destination.service is None:
+            return None
+        return destination.service.pid
+
+    # Records of the run.
+
+    def _heartbeat(self) -> Record | None:
+        """Built on the sender thread, on its own clock, from state the training thread
+        publishes with single reference assignments."""
+        state = self._phases.state
+        return {
+            "kind": "heartbeat",
+            "incarnation": self.incarnation,
+            "rank": self.identity.rank,
+            "node": self.identity.node,
+            "phase": state.phase.value,
+            "phase_since": self._phases.epoch(state.since),
+            "time": self._clock(),
+            "step": self.progress["step"],
+            "attempt": self._attempt,
+        }
+
+    def _run_start(self) -> Record:
+        identity = self.identity
+        return {
+            "kind": "run_start",
+            "incarnation": self.incarnation,
+            "time": self._clock(),
+            "world_size": identity.world_size,
+            "layout": identity.layout.sizes(),
+            "config": to_wire(self._run_config),
+        }
+
+    def _note_once(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("runhealth: %s", message)

@@ -1,0 +1,113 @@
+"""What a restart restored, read from the live objects right after loading a checkpoint.
+
+This runs once, at resume, not per step: reading device values here (``.item()``, norms of the
+Adam moments) synchronizes with the device, which is fine at that point, and it is the evidence
+that the optimizer moments, step counters, learning rate and schedule phase came back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from collectors.wire import Record
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """Step counters and the global L2 norms of Adam's moments (``exp_avg``, ``exp_avg_sq``)."""
+    steps: list[float] = []
+    squares = dict.fromkeys(MOMENTS, 0.0)
+    found = dict.fromkeys(MOMENTS, False)
+    for state in optimizer.state.values():
+        if "step" in state:
+            steps.append(_number(state["step"]))
+        for name in MOMENTS:
+            if name in state:
+                # A sync per tensor: acceptable at resume, never on the step path.
+                squares[name] += float(state[name].detach().float().norm()) ** 2
+                found[name] = True
+    restored: dict[str, Any] = {
+        "param_states": len(optimizer.state),
+        "lr": [_number(group["lr"]) for group in optimizer.param_groups],
+    }
+    if steps:
+        restored["optimizer_step_min"] = min(steps)
+        restored["optimizer_step_max"] = max(steps)
+    for name in MOMENTS:
+        if found[name]:
+            restored[f"{name}_norm"] = math.sqrt(squares[name])
+    return restored
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """The schedule's phase: ``last_epoch`` counts the scheduler's steps (updates, if stepped
+    only after real optimizer steps), and the learning rates it will hand out next."""
+    restored: dict[str, Any] = {"last_epoch": int(scheduler.last_epoch)}
+    if hasattr(scheduler, "get_last_lr"):
+        restored["last_lr"] = [_number(lr) for lr in scheduler.get_last_lr()]
+    return restored
+
+
+def scaler_state(scaler: Any) -> dict[str, Any]:
+    if not scaler.is_enabled():
+        return {"enabled": False}
+    state = scaler.state_dict()  # reads the scale tensor: a sync, fine at resume
+    return {
+        "enabled": True,
+        "scale": float(state.get("scale", math.nan)),
+        "growth_tracker": int(state.get("_growth_tracker", 0)),
+    }
+
+
+def model_state(model: Any) -> dict[str, Any]:
+    """The parameter count and global L2 norm: enough to tell restored weights from fresh."""
+    squares, count = 0.0, 0
+    for parameter in model.parameters():
+        squares += float(parameter.detach().float().norm()) ** 2
+        count += parameter.numel()
+    return {"parameters": count, "param_norm": math.sqrt(squares)}
+
+
+def gather_restored(
+    *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None
+) -> dict[str, Any]:
+    """Everything the handed objects can tell, under one key each."""
+    restored: dict[str, Any] = {}
+    if model is not None:
+        restored["model"] = model_state(model)
+    if optimizer is not None:
+        restored["optimizer"] = optimizer_state(optimizer)
+    if scheduler is not None:
+        restored["scheduler"] = scheduler_state(scheduler)
+    if scaler is not None:
+        restored["scaler"] = scaler_state(scaler)
+    return restored
+
+
+def _number(value: Any) -> float:
+    return float(value.item()) if hasattr(value, "item") else float(value)
+
+
+@dataclass
+class ResumeNote:
+    """A resume event waiting for what it may still lack: the attach (for the identity) and
+    the first window (for the first batch's sample ids)."""
+
+    restored: dict[str, Any]
+    checkpoint_path: str | None
+    checkpoint_step: int | None
+    time: float
+
+    def record(self, first_sample_ids: list[Any] | None) -> Record:
+        """The ``resume`` record, without the identity (the hook adds it when it sends)."""
+        restored = dict(self.restored)
+        restored.setdefault("first_sample_ids", first_sample_ids)
+        record: Record = {"kind": "resume", "restored": restored, "time": self.time}
+        if self.checkpoint_path is not None:
+            record["checkpoint_path"] = self.checkpoint_path
+        if self.checkpoint_step is not None:
+            record["checkpoint_step"] = self.checkpoint_step
+        return record

@@ -1,0 +1,336 @@
+"""One accumulation window (one optimizer-step attempt): what the hook keeps, what it sends.
+
+During the window the training thread only keeps references: each microbatch's loss, labels or
+token count, the grad norm. At the window's end they are settled in one place. Device values
+stay on the device (summed there when there are several microbatches) and reach the host
+through the ring. Host values (numbers, CPU tensors, CPU labels still to be counted) are read
+when the record is rendered, on the sender thread: reading a CPU tensor waits for no device,
+and doing it there, in a batch, keeps the training thread's share small. On the reference CPU a
+small tensor op costs 10-60 us right after a training step has evicted the caches, and about
+5 us in the sender's batch.
+
+The trainer must not modify a window's CPU labels or sample-id list in place after handing them
+over: they are read within a flush interval of the window's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from collectors.phases import Phase, PhaseMarks
+from collectors.tokens import supervised_tokens
+from collectors.values import host_float, on_device
+from collectors.wire import Draft, Record, wire_float
+
+if TYPE_CHECKING:
+    from collectors.phases import PhaseClock
+
+Value = Any  # a tensor (device or CPU) or a host number
+Microbatch = tuple[Any, Any, Any]  # (loss, labels, tokens) as the trainer gave them
+SCALARS = ("grad_norm", "loss_scale", "lr")
+
+
+@dataclass(slots=True)
+class Sums:
+    """Host-side sums over microbatches, and whether each is known for the whole window."""
+
+    loss_sum: float = 0.0
+    tokens: float = 0.0
+    loss_total: float = 0.0
+    tokens_known: bool = True
+    sum_known: bool = True
+
+    def copy(self) -> Sums:
+        return Sums(self.loss_sum, self.tokens, self.loss_total, self.tokens_known, self.sum_known)
+
+    def add(self, loss: float, count: float | None, sum_reduction: bool) -> None:
+        self.loss_total += loss
+        if count is None:
+            self.tokens_known = False
+        else:
+            self.tokens += count
+        if sum_reduction:
+            self.loss_sum += loss
+        elif count is not None:
+            self.loss_sum += loss * count
+        else:
+            self.sum_known = False
+
+
+@dataclass(frozen=True, slots=True)
+class Counting:
+    """How labels are counted (``tokens.py``)."""
+
+    shift: bool
+    ignore_index: int
+
+    def on_device(self, labels: Any) -> Any:
+        """A device count (device ops, no sync)."""
+        return supervised_tokens(labels, shift=self.shift, ignore_index=self.ignore_index)
+
+    def count(self, labels: Any) -> float:
+        """The count of CPU labels, with numpy where it can (2 us against 6 for the same torch
+        ops, measured on the sender thread), since every window pays it."""
+        try:
+            array = labels.numpy()
+        except (AttributeError, RuntimeError, TypeError):  # not a plain CPU tensor
+            return float(self.on_device(labels).item())
+        targets = array[..., 1:] if self.shift else array
+        return float((targets != self.ignore_index).sum())
+
+
+@dataclass(slots=True)
+class WindowValues:
+    """Filled by the training thread between ``window_start`` and ``window_end`` (references
+    only); read, never written, after it."""
+
+    attempt: int
+    data_wait_s: float | None
+    sample_ids: Any = None  # as given: a list, a CPU tensor or array; rendered later
+    examples: int | None = None
+    sum_reduction: bool = False
+    microbatches: list[Microbatch] = field(default_factory=list)
+    count: int = 0  # microbatches, folded ones included
+    grad_norm: Value | None = None
+    loss_scale: Value | None = None
+    lr: Value | None = None
+    updates: int = 0  # optimizer steps known on the host to have updated
+    verdicts: list[Any] | None = None  # device found-inf flags of fused optimizers' steps
+
+    def local_examples(self, totals: Totals) -> int | None:
+        if self.examples is not None:
+            return self.examples
+        if self.sample_ids is not None:
+            return len(self.sample_ids)
+        return totals.rows or None
+
+
+@dataclass(slots=True)
+class Totals:
+    """A window's settled microbatches: device parts on the device, host parts for the sender."""
+
+    device_loss_sums: list[Any] = field(default_factory=list)
+    device_tokens: list[Any] = field(default_factory=list)
+    device_losses: list[Any] = field(default_factory=list)
+    host: list[Microbatch] = field(default_factory=list)  # losses detached, read when rendered
+    folded: Sums = field(default_factory=Sums)  # host parts already read; device known-flags
+    rows: int = 0  # label rows: the example count when none was given
+
+    def settle(
+        self, microbatches: Sequence[Microbatch], sum_reduction: bool, counting: Counting, count_rows: bool
+    ) -> None:
+        """Take microbatches as given: detach, count device labels on the device, keep the rest.
+        Label rows are counted only when they are the example count (``count_rows``)."""
+        for loss, labels, tokens in microbatches:
+            if labels is not None and count_rows:
+                self.rows += int(labels.shape[0])  # a host shape: no sync
+            loss = loss.detach() if getattr(loss, "requires_grad", False) else loss
+            if on_device(loss) or on_device(tokens) or on_device(labels):
+                self._device(loss, labels, tokens, sum_reduction, counting)
+            else:
+                self.host.append((loss, labels if tokens is None else None, tokens))
+
+    def _device(self, loss: Any, labels: Any, tokens: Any, sum_reduction: bool, counting: Counting) -> None:
+        """A microbatch with something on the device: sums stay there (device ops, no sync)."""
+        count = tokens
+        if count is None and labels is not None:
+            # Device labels are counted there; CPU labels beside a device loss are counted now,
+            # on the host (it waits for no device), since the loss sum needs the count.
+            count = counting.on_device(labels) if on_device(labels) else counting.count(labels)
+        self._add(self.device_losses, "loss_total", loss)
+        if count is None:
+            self.folded.tokens_known = False
+        else:
+            self._add(self.device_tokens, "tokens", count)
+        if sum_reduction:
+            self._add(self.device_loss_sums, "loss_sum", loss)
+        elif count is not None:
+            self._add(self.device_loss_sums, "loss_sum", loss * count)  # on the device if either is
+        else:
+            self.folded.sum_known = False
+
+    def _add(self, device_parts: list[Any], name: str, value: Any) -> None:
+        """A device part joins the device sums; a host part (a number, a CPU tensor: reading it
+        waits for no device) is added to the host sums at once."""
+        if on_device(value):
+            device_parts.append(value)
+        else:
+            setattr(self.folded, name, getattr(self.folded, name) + host_float(value))
+
+    def fold(self, torch: Any, sum_reduction: bool, counting: Counting) -> None:
+        """Bound the lists of a window with very many microbatches: device parts are summed on
+        the device, host parts on the host (a rare, one-off cost on the training thread)."""
+        self.device_loss_sums = [total(self.device_loss_sums, torch)] if self.device_loss_sums else []
+        self.device_tokens = [total(self.device_tokens, torch)] if self.device_tokens else []
+        self.device_losses = [total(self.device_losses, torch)] if self.device_losses else []
+        for microbatch in self.host:
+            add_host(self.folded, microbatch, sum_reduction, counting)
+        self.host = []
+
+    def device_values(self, window: WindowValues, torch: Any) -> tuple[tuple[str, ...], list[Any]]:
+        """The device tensors for the ring, one per quantity (0-dim), and their names."""
+        values = {}
+        for name, parts in (
+            ("loss_sum", self.device_loss_sums),
+            ("tokens", self.device_tokens),
+            ("loss_total", self.device_losses),
+        ):
+            if parts:
+                values[name] = total(parts, torch)
+        for name in SCALARS:
+            value = getattr(window, name)
+            if on_device(value):
+                values[name] = value if value.dim() == 0 else value.reshape(())
+        if window.verdicts:
+            values["found_inf"] = total(window.verdicts, torch)
+        return tuple(values), list(values.values())
+
+
+@dataclass(slots=True)
+class PendingWindow:
+    """A finished window waiting for its device values. Not frozen: a frozen dataclass costs
+    the training thread an ``object.__setattr__`` per field, and nothing writes this anyway."""
+
+    values: WindowValues
+    totals: Totals
+    step: int
+    consumed: int | None
+    skipped: bool | None
+    time: float
+    device_names: tuple[str, ...]  # what each value in the ring slot is
+    marks: PhaseMarks
+
+
+def total(items: Sequence[Value], torch: Any) -> Value:
+    """The sum of same-place values: device ops only when there are several tensors."""
+    if len(items) == 1:
+        return items[0]
+    if not hasattr(items[0], "device"):
+        return float(sum(items))
+    return torch.stack([item if hasattr(item, "device") else torch.tensor(item) for item in items]).sum()
+
+
+def add_host(sums: Sums, microbatch: Microbatch, sum_reduction: bool, counting: Counting) -> None:
+    loss, labels, tokens = microbatch
+    count = None
+    if tokens is not None:
+        count = host_float(tokens)
+    elif labels is not None:
+        count = counting.count(labels)
+    sums.add(host_float(loss), count, sum_reduction)
+
+
+@dataclass
+class DeviceSkips:
+    """Skips only the device knew about (a fused optimizer's found-inf flag), counted as they
+    are rendered, in window order. The training thread counted those windows as updates; every
+    later step number is corrected by this count. Written by the sender thread only."""
+
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What every step record of this rank shares; made once, at attach."""
+
+    identity: dict[str, Any]
+    counting: Counting
+    max_sample_ids: int
+    phases: PhaseClock
+    device_skips: DeviceSkips = field(default_factory=DeviceSkips)
+
+
+class StepDraft(Draft):
+    """A window whose values are all on the host; rendered into a record on the sender thread."""
+
+    __slots__ = ("context", "device_values", "pending")
+
+    def __init__(self, context: RenderContext, pending: PendingWindow, device_values: list[float]) -> None:
+        self.context = context
+        self.pending = pending
+        self.device_values = device_values
+
+    def render(self) -> Record:
+        pending, phases = self.pending, self.context.phases
+        try:
+            return self._record(pending, self._values(pending), pending.marks.durations(phases.stamps))
+        finally:
+            phases.release(pending.marks)
+
+    def _values(self, pending: PendingWindow) -> dict[str, float | None]:
+        window, totals = pending.values, pending.totals
+        sums = totals.folded.copy()
+        for microbatch in totals.host:
+            add_host(sums, microbatch, window.sum_reduction, self.context.counting)
+        device = dict(zip(pending.device_names, self.device_values, strict=True))
+        has_loss = window.count > 0
+        values: dict[str, float | None] = {
+            "tokens": sums.tokens + device.get("tokens", 0.0) if has_loss and sums.tokens_known else None,
+            "loss_sum": sums.loss_sum + device.get("loss_sum", 0.0) if has_loss and sums.sum_known else None,
+            "loss_total": sums.loss_total + device.get("loss_total", 0.0) if has_loss else None,
+        }
+        for name in SCALARS:
+            value = getattr(window, name)
+            values[name] = device[name] if name in device else None if value is None else host_float(value)
+        return values
+
+    def _verdict(self, pending: PendingWindow) -> tuple[int, bool | None]:
+        """The step number and skip flag, once a device-only verdict is known."""
+        skipped = pending.skipped
+        if "found_inf" in pending.device_names:
+            found_inf = self.device_values[pending.device_names.index("found_inf")]
+            skipped = found_inf > 0 and pending.values.updates == 0
+            self.context.device_skips.count += int(skipped)
+        return pending.step - self.context.device_skips.count, skipped
+
+    def _record(
+        self, pending: PendingWindow, values: dict[str, float | None], spent: dict[Phase, float] | None
+    ) -> Record:
+        window = pending.values
+        step, skipped = self._verdict(pending)
+        record: Record = {
+            "kind": "step",
+            **self.context.identity,
+            "attempt": window.attempt,
+            "step": step,
+            "time": pending.time,
+            "microbatches": window.count,
+        }
+        tokens = values["tokens"]
+        optional: dict[str, Any] = {
+            "skipped": skipped,
+            "consumed": pending.consumed,
+            "sample_ids": render_ids(window.sample_ids, self.context.max_sample_ids),
+            "tokens": int(tokens) if tokens is not None else None,
+            "loss_sum": values["loss_sum"],
+            "reported_loss": reported_loss(values, window),
+            "grad_norm": values["grad_norm"],
+            "lr": values["lr"],
+            "loss_scale": values["loss_scale"],
+            "data_wait_s": window.data_wait_s,
+            **({f"{phase.value}_s": seconds for phase, seconds in spent.items()} if spent else {}),
+        }
+        for name, value in optional.items():
+            if value is not None:
+                record[name] = wire_float(value) if isinstance(value, float) else value
+        return record
+
+
+def reported_loss(values: dict[str, float | None], window: WindowValues) -> float | None:
+    """The loss as the trainer reports it: the mean of its per-microbatch losses (mean
+    reduction), or the window's loss sum over its tokens (sum reduction)."""
+    if window.sum_reduction:
+        loss_sum, tokens = values["loss_sum"], values["tokens"]
+        return loss_sum / tokens if loss_sum is not None and tokens else None
+    loss_total = values["loss_total"]
+    return loss_total / window.count if loss_total is not None else None
+
+
+def render_ids(ids: Any, limit: int) -> list[int | str] | None:
+    """Sample ids as the service takes them: ints or strings, at most ``limit``."""
+    if ids is None:
+        return None
+    listed = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return [item if isinstance(item, int | str) else str(item) for item in listed[:limit]]

@@ -1,0 +1,168 @@
+"""Helpers for the collector tests: a real ``runhealth serve`` child, a recording transport,
+fake markers, and reads of the SQLite store the service wrote."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from pydantic import TypeAdapter
+
+from collectors.transport import Delivery, Outcome
+from collectors.wire import Record, encode_batch
+from monitor.schemas import BatchIn
+from tests.support import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+ADMIN = "rh_admin_collectors_test"
+BATCH = TypeAdapter(BatchIn)
+
+
+def child_environ(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this one, the repository importable, plus extra."""
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("RUNHEALTH_")}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
+    environ.update(extra)
+    return environ
+
+
+class ServeProcess:
+    """``python -m monitor serve`` on a fixed loopback port, which can be killed and restarted."""
+
+    def __init__(self, root: Path, db: Path, port: int | None = None, **environ: str) -> None:
+        self.root = root
+        self.db = db
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._environ = child_environ(RUNHEALTH_ADMIN_TOKEN=ADMIN, **environ)
+        self._process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.starts += 1
+        port_file = self.root / f"port-{self.starts}"
+        command = [
+            sys.executable, "-m", "monitor", "serve", "--db", str(self.db),
+            "--host", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file),
+        ]  # fmt: skip
+        with open(self.root / "serve.log", "ab") as log:
+            self._process = subprocess.Popen(
+                command, env=self._environ, cwd=self.root, stdout=log, stderr=log
+            )
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"runhealth serve did not start: {self.log_tail()}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL by PID: no shutdown, in-flight requests cut off."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGKILL)
+        self._process.wait(10)
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(10)
+
+    def create_run(self, name: str) -> str:
+        response = httpx.post(
+            f"{self.url}/v1/runs", json={"name": name}, headers={"authorization": f"Bearer {ADMIN}"}
+        )
+        response.raise_for_status()
+        return str(response.json()["token"])
+
+    def log_tail(self) -> str:
+        path = self.root / "serve.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+class RecordingTransport:
+    """Accepts every batch and keeps it: the hook's records, in-process, without a service."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Record]] = []
+
+    def post(self, records: Sequence[Record]) -> Delivery:
+        BATCH.validate_json(encode_batch(records))  # every record must pass the service's schema
+        self.batches.append(list(records))
+        return Delivery(Outcome.DELIVERED, 200)
+
+    def close(self) -> None:
+        return None
+
+    def records(self, kind: str) -> list[Record]:
+        return [record for batch in self.batches for record in batch if record["kind"] == kind]
+
+
+class FakeMarker:
+    """A marker whose completion and time the test controls."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.at = 0.0
+        self.recorded = 0
+        self.waited = 0
+
+    def record(self) -> None:
+        self.recorded += 1
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.done = True
+
+    def seconds_since(self, earlier: FakeMarker) -> float:
+        return self.at - earlier.at
+
+
+def step_rows(db: Path, run: str | None = None) -> list[dict[str, Any]]:
+    """The stored step records of the store at ``db`` (of one run, if named)."""
+    query = "SELECT s.* FROM step_records s JOIN runs r ON r.id = s.run_id"
+    if run is not None:
+        query += " WHERE r.name = :run"
+    engine = sa.create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(sa.text(query + " ORDER BY s.rank, s.attempt"), {"run": run})
+            return [dict(row._mapping) for row in rows]
+    finally:
+        engine.dispose()
+
+
+def table_rows(db: Path, table: str) -> list[dict[str, Any]]:
+    engine = sa.create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as connection:
+            return [dict(row._mapping) for row in connection.execute(sa.text(f"SELECT * FROM {table}"))]
+    finally:
+        engine.dispose()
+
+
+def wait_until(condition: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return bool(condition())

@@ -1,0 +1,629 @@
+"""The per-rank hook in one process: what a window records, the three counters, the ring,
+phases, heartbeats, checkpoint and resume events, and that nothing raises into training."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from collectors import (
+    RecordSink,
+    RunHealth,
+    RunHealthConfig,
+    build_manifest,
+    dump_stacks,
+    supervised_tokens,
+)
+from collectors.config import ConfigError, HookConfig
+from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
+from collectors.markers import WallMarker
+from collectors.phases import Phase, PhaseClock, PhaseMarks, WallStamps
+from collectors.ring import PinnedRing, RingConfig
+from collectors.sender import SenderConfig
+from collectors.spool import SpoolConfig
+from collectors.transport import TransportConfig
+from tests.collectors_support import REPO, FakeMarker, RecordingTransport, child_environ, wait_until
+from tests.support import require_module
+
+require_module("torch")  # before the import: skipped without torch, failed in CI
+
+import torch  # noqa: E402
+
+VOCAB = 32
+
+
+def hook_config(tmp_path: Path, **sender: Any) -> RunHealthConfig:
+    return RunHealthConfig(
+        transport=TransportConfig(run="hook-test"),
+        spool=SpoolConfig(directory=str(tmp_path / "spool")),
+        sender=SenderConfig(**{"flush_interval_s": 0.05, "heartbeat_interval_s": 60.0, **sender}),
+    )
+
+
+@pytest.fixture
+def transport() -> RecordingTransport:
+    return RecordingTransport()
+
+
+def attach(tmp_path: Path, transport: RecordingTransport, **kwargs: Any) -> RunHealth:
+    config = kwargs.pop("config", None) or hook_config(tmp_path)
+    hook = RunHealth(config=config, transport=transport, environ={}, hostname=lambda: "node-a", **kwargs)
+    return hook.start()
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: Any) -> Any:
+        return self.head(self.embed(tokens))
+
+
+def lm_loss(model: TinyLM, batch: Any) -> Any:
+    """Hugging Face style: labels are the inputs, the loss shifts them."""
+    logits = model(batch)[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def batches(count: int, rows: int = 4, length: int = 9, seed: int = 0) -> Iterator[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(count):
+        tokens = torch.randint(0, VOCAB, (rows, length), generator=generator)
+        yield {"tokens": tokens, "ids": list(range(index * rows, (index + 1) * rows))}
+
+
+# Token counting.
+
+
+def test_supervised_tokens_drop_the_shifted_first_label_and_the_ignore_index() -> None:
+    labels = torch.tensor([[5, 6, -100, 7], [-100, -100, 1, 2]])
+    # shifted: [6, -100, 7] and [-100, 1, 2]: 2 + 2 supervised tokens
+    assert float(supervised_tokens(labels)) == 4
+    assert float(supervised_tokens(labels, shift=False)) == 5
+    assert float(supervised_tokens(labels, shift=False, ignore_index=7)) == 7
+
+
+def test_supervised_tokens_stay_on_the_device_as_exact_float64() -> None:
+    count = supervised_tokens(torch.ones(2, 3, dtype=torch.long))
+    assert isinstance(count, torch.Tensor) and count.dim() == 0
+    assert count.dtype == torch.float64 and count.device.type == "cpu"
+
+
+# What a window records.
+
+
+def test_a_plain_loop_records_each_window(tmp_path: Path, transport: RecordingTransport) -> None:
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms, losses = [], []
+    with attach(tmp_path, transport, model=model, optimizer=optimizer) as rh:
+        for batch in rh.windows(batches(3), sample_ids=lambda b: b["ids"]):
+            loss = lm_loss(model, batch["tokens"])
+            rh.loss(loss, labels=batch["tokens"])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            rh.grad_norm(norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            norms.append(float(norm))
+            losses.append(float(loss.detach()))
+    steps = transport.records("step")
+    assert [s["attempt"] for s in steps] == [1, 2, 3]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["consumed"] for s in steps] == [4, 8, 12]
+    first = steps[0]
+    assert first["tokens"] == 4 * 8
+    assert first["loss_sum"] == pytest.approx(losses[0] * 32, rel=1e-6)
+    assert first["reported_loss"] == pytest.approx(losses[0], rel=1e-6)
+    assert [s["grad_norm"] for s in steps] == pytest.approx(norms)  # before clipping to 0.01
+    assert first["lr"] == 0.1 and first["skipped"] is False
+    assert first["sample_ids"] == [0, 1, 2, 3] and steps[2]["sample_ids"] == [8, 9, 10, 11]
+    assert first["node"] == "node-a" and first["rank"] == 0 and first["dp_rank"] == 0
+    assert "device_uuid" not in first  # CPU
+    for name in ("data_wait_s", "forward_s", "backward_s", "optimizer_s"):
+        assert first[name] >= 0
+    assert first["microbatches"] == 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_skipped_amp_step_is_an_attempt_and_consumed_data_but_not_an_update(
+    tmp_path: Path, transport: RecordingTransport, fused: bool
+) -> None:
+    """A GradScaler that finds an inf skips ``optimizer.step``; a fused optimizer is stepped
+    anyway and skips inside its kernel, which the hook learns from the scaler's flag."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with attach(tmp_path, transport, model=model, optimizer=optimizer, scaler=scaler) as rh:
+        for index, batch in enumerate(rh.windows(batches(5), sample_ids=lambda b: b["ids"])):
+            loss = lm_loss(model, batch["tokens"])
+            rh.loss(loss, labels=batch["tokens"])
+            scaler.scale(loss).backward()
+            if index == 2:  # an overflow: the scaler will skip optimizer.step entirely
+                grad = model.head.weight.grad
+                assert grad is not None
+                grad.fill_(math.inf)
+            scaler.unscale_(optimizer)
+            rh.grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    steps = transport.records("step")
+    assert [s["attempt"] for s in steps] == [1, 2, 3, 4, 5]
+    assert [s["step"] for s in steps] == [1, 2, 2, 3, 4]
+    assert [s["skipped"] for s in steps] == [False, False, True, False, False]
+    assert [s["consumed"] for s in steps] == [4, 8, 12, 16, 20]
+    assert steps[2]["grad_norm"] == "Infinity"
+    # The scale this window used; the backoff shows from the next window on.
+    assert [s["loss_scale"] for s in steps] == [65536.0, 65536.0, 65536.0, 32768.0, 32768.0]
+    assert rh.progress == {"attempt": 5, "step": 4, "consumed": 20}
+
+
+class DeviceFlag(torch.Tensor):
+    """A found-inf flag as a fused optimizer on a GPU sees it: not on the CPU."""
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+
+def test_a_device_only_skip_verdict_is_resolved_when_the_record_is_rendered(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with attach(tmp_path, transport, model=model, optimizer=optimizer) as rh:
+        for found_inf in (0.0, 1.0, 0.0):
+            rh.window_start()
+            rh.loss(torch.tensor(1.0), tokens=1)
+            optimizer.found_inf = torch.tensor(found_inf).as_subclass(DeviceFlag)  # type: ignore[attr-defined]
+            rh._after_optimizer_step(optimizer, (), {})  # as the step post-hook calls it
+            rh.window_end()
+    steps = transport.records("step")
+    assert [(s["step"], s["skipped"]) for s in steps] == [(1, False), (1, True), (2, False)]
+    assert rh.progress["step"] == 2
+
+
+def test_a_skip_without_a_scale_change_is_still_a_skip(tmp_path: Path, transport: RecordingTransport) -> None:
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with attach(tmp_path, transport, model=model, optimizer=optimizer) as rh:
+        for index, batch in enumerate(rh.windows(batches(3))):
+            loss = lm_loss(model, batch["tokens"])
+            rh.loss(loss, labels=batch["tokens"])
+            loss.backward()
+            if index != 1:  # the trainer's own guard skipped the update
+                optimizer.step()
+            optimizer.zero_grad()
+    steps = transport.records("step")
+    assert [(s["step"], s["skipped"]) for s in steps] == [(1, False), (1, True), (2, False)]
+
+
+def test_an_accumulation_window_sums_its_microbatches(tmp_path: Path, transport: RecordingTransport) -> None:
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, tokens = [], []
+    with attach(tmp_path, transport, model=model, optimizer=optimizer) as rh:
+        for batch in rh.windows(batches(8), sample_ids=lambda b: b["ids"], microbatches=4):
+            labels = batch["tokens"].clone()
+            labels[0, :5] = -100  # masked prompt tokens
+            loss = torch.nn.functional.cross_entropy(
+                model(batch["tokens"])[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)
+            )
+            rh.loss(loss, labels=labels)
+            (loss / 4).backward()  # type: ignore[no-untyped-call]
+            losses.append(float(loss.detach()))
+            tokens.append(int((labels[:, 1:] != -100).sum()))
+            if len(losses) % 4 == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    steps = transport.records("step")
+    assert [s["microbatches"] for s in steps] == [4, 4]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert steps[0]["tokens"] == sum(tokens[:4]) == 4 * (32 - 4)
+    weighted = sum(loss * count for loss, count in zip(losses[:4], tokens[:4], strict=True))
+    assert steps[0]["loss_sum"] == pytest.approx(weighted, rel=1e-6)
+    assert steps[0]["reported_loss"] == pytest.approx(sum(losses[:4]) / 4, rel=1e-6)
+    assert steps[0]["sample_ids"] == list(range(16)) and steps[0]["consumed"] == 16
+
+
+def test_sum_reduction_and_unknown_tokens(tmp_path: Path, transport: RecordingTransport) -> None:
+    with attach(tmp_path, transport) as rh:
+        rh.window_start(examples=2)
+        rh.loss(torch.tensor(12.0), tokens=6, reduction="sum")
+        rh.window_end()
+        rh.window_start(examples=2)
+        rh.loss(torch.tensor(3.0))  # a mean with no count: the sum is unknown
+        rh.window_end()
+    first, second = transport.records("step")
+    assert (first["loss_sum"], first["tokens"], first["reported_loss"]) == (12.0, 6, 2.0)
+    assert "loss_sum" not in second and "tokens" not in second and second["reported_loss"] == 3.0
+    assert "skipped" not in first  # no optimizer watched: no judgement
+    assert [first["consumed"], second["consumed"]] == [2, 4]
+
+
+def test_nonfinite_values_travel_by_name(tmp_path: Path, transport: RecordingTransport) -> None:
+    with attach(tmp_path, transport) as rh:
+        rh.window_start()
+        rh.loss(torch.tensor(math.nan), tokens=torch.tensor(3.0))
+        rh.grad_norm(torch.tensor(-math.inf))
+        rh.window_end()
+    (step,) = transport.records("step")
+    assert (step["loss_sum"], step["reported_loss"], step["grad_norm"]) == ("NaN", "NaN", "-Infinity")
+
+
+def test_the_hook_never_raises_into_training(tmp_path: Path, transport: RecordingTransport) -> None:
+    with attach(tmp_path, transport) as rh:
+        rh.window_start()
+        rh.loss("not a tensor")
+        rh.grad_norm(object())
+        rh.window_end()  # the bad window is lost (and counted), training is not
+        rh.window_start()
+        rh.loss(torch.tensor(1.0), tokens=2)
+        rh.window_end()
+    assert rh.counters["hook_errors"] >= 1
+    assert [s["attempt"] for s in transport.records("step")] == [2]
+
+
+def test_run_start_and_finish_from_rank_zero(tmp_path: Path, transport: RecordingTransport) -> None:
+    with attach(tmp_path, transport, run_config={"lr": 0.1, "bad": math.nan}) as rh:
+        pass
+    (start,) = transport.records("run_start")
+    (finish,) = transport.records("run_finish")
+    assert start["world_size"] == 1 and start["layout"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    assert start["config"] == {"lr": 0.1, "bad": "NaN"}
+    assert start["incarnation"] == finish["incarnation"] == rh.incarnation
+    assert finish["status"] == "completed"
+
+
+# Heartbeats and hang evidence.
+
+
+def test_heartbeats_continue_while_the_training_thread_is_stuck(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    config = hook_config(tmp_path, heartbeat_interval_s=0.05)
+    with attach(tmp_path, transport, config=config) as rh:
+        rh.window_start()
+        entered = time.time()
+        stuck = threading.Event()
+        stuck.wait(0.6)  # the training thread blocked, as in a hung collective
+        beats = [b for b in transport.records("heartbeat") if b["time"] > entered + 0.1]
+        rh.window_end()
+    assert len(beats) >= 3
+    assert {b["phase"] for b in beats} == {"forward"}
+    assert {b["phase_since"] for b in beats} == {beats[0]["phase_since"]}
+    assert beats[0]["phase_since"] <= entered and beats[0]["attempt"] == 1 and beats[0]["step"] == 0
+    assert transport.records("heartbeat")[-1]["phase"] == "closed"
+
+
+def test_a_stack_dump_shows_every_thread() -> None:
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="stuck-in-collective")
+    worker.start()
+    try:
+        dump = dump_stacks(nccl_trace=True)
+    finally:
+        release.set()
+        worker.join()
+    assert "stuck-in-collective" in dump.threads and "MainThread" in dump.threads
+    assert "test_a_stack_dump_shows_every_thread" in dump.threads
+    # No NCCL process group here: the recorder answers with an empty trace.
+    assert dump.flight_recorder is not None and '"version"' in dump.flight_recorder
+    assert dump.flight_recorder in dump.text()
+    assert dump_stacks().flight_recorder is None  # only when asked (the recorder is on)
+
+
+# Checkpoints and resumes.
+
+
+def test_checkpoint_saved_records_a_manifest(tmp_path: Path, transport: RecordingTransport) -> None:
+    checkpoint = tmp_path / "ckpt-40"
+    (checkpoint / "shards").mkdir(parents=True)
+    (checkpoint / "shards" / "model.pt").write_bytes(b"weights" * 100)
+    (checkpoint / "optim.pt").write_bytes(b"moments")
+    (checkpoint / "manifest.json").write_text("{}")
+    manifest = build_manifest(checkpoint, step=40, consumed=160)
+    assert [f["path"] for f in manifest["files"]] == ["optim.pt", "shards/model.pt"]
+    assert manifest["files"][1]["size"] == 700
+    assert manifest["files"][0]["sha256"] == hashlib.sha256(b"moments").hexdigest()
+    with attach(tmp_path, transport) as rh:
+        rh.checkpoint_saved(40, str(checkpoint), manifest=manifest, tags=["latest"], metrics={"loss": 2.5})
+    (event,) = transport.records("checkpoint")
+    assert event["step"] == 40 and event["consumed"] == 160 and event["tags"] == ["latest"]
+    assert event["manifest"] == manifest and event["incarnation"] == rh.incarnation
+
+
+def test_events_handed_over_before_start_are_sent_at_start(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    rh = RunHealth(config=hook_config(tmp_path), transport=transport, environ={}, hostname=lambda: "n")
+    rh.checkpoint_saved(10, "ckpt-10")
+    rh.submit({"kind": "link_sample", "node": "n", "device": "mlx5_0", "port": 1, "seq": 0, "time": 1.0})
+    with rh.start():
+        pass
+    assert transport.records("checkpoint")[0]["incarnation"] == rh.incarnation
+    assert "incarnation" not in transport.records("link_sample")[0]
+
+
+def test_resumed_records_what_the_restart_restored(tmp_path: Path, transport: RecordingTransport) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    for batch in batches(3):
+        lm_loss(model, batch["tokens"]).backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+    }
+    moment_norm = math.sqrt(sum(float(s["exp_avg"].norm()) ** 2 for s in optimizer.state.values()))
+
+    restarted = TinyLM()
+    optimizer2 = torch.optim.AdamW(restarted.parameters(), lr=1e-3)
+    schedule2 = torch.optim.lr_scheduler.LambdaLR(optimizer2, lambda step: min(1.0, (step + 1) / 10))
+    restarted.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["optimizer"])
+    schedule2.load_state_dict(saved["schedule"])
+    with attach(tmp_path, transport, model=restarted, optimizer=optimizer2, scheduler=schedule2) as rh:
+        rh.resumed(checkpoint_path="ckpt-3", consumed=12)
+        for batch in rh.windows(batches(1, seed=7), sample_ids=lambda b: [f"s{i}" for i in b["ids"]]):
+            lm_loss(restarted, batch["tokens"]).backward()
+            optimizer2.step()
+            optimizer2.zero_grad()
+    (resume,) = transport.records("resume")
+    restored = resume["restored"]
+    assert restored["optimizer"]["optimizer_step_max"] == 3
+    assert restored["optimizer"]["exp_avg_norm"] == pytest.approx(moment_norm, rel=1e-6)
+    assert restored["optimizer"]["exp_avg_sq_norm"] > 0
+    assert restored["scheduler"]["last_epoch"] == 3
+    assert restored["scheduler"]["last_lr"] == pytest.approx([4e-4])
+    assert restored["consumed"] == 12 and restored["resumed_step"] == 3
+    assert restored["first_sample_ids"] == ["s0", "s1", "s2", "s3"]
+    assert resume["checkpoint_path"] == "ckpt-3"
+    (step,) = transport.records("step")
+    assert (step["attempt"], step["step"], step["consumed"]) == (1, 4, 16)
+
+
+# The ring and the phase clock, with markers the test completes.
+
+
+def test_the_ring_hands_back_windows_in_order_once_their_copy_completed() -> None:
+    markers: list[FakeMarker] = []
+
+    def new_marker() -> FakeMarker:
+        markers.append(FakeMarker())
+        return markers[-1]
+
+    ring = PinnedRing[str](RingConfig(slots=3, width=4), device=torch.device("cpu"), new_marker=new_marker)
+    ring.push([torch.tensor(1.5), torch.tensor(2.0, dtype=torch.float64)], "a")
+    ring.push([torch.tensor(3.0)], "b")
+    ring.push([], "c")
+    assert ring.full and not ring.pop_ready()
+    slot_of = {slot.meta: cast(FakeMarker, slot.done) for slot in ring._busy}
+    slot_of["b"].done = True
+    assert ring.pop_ready() == []  # "a" is older and still in flight
+    slot_of["a"].done = True
+    assert ring.pop_ready() == [("a", [1.5, 2.0]), ("b", [3.0])]
+    assert not ring.full and len(ring) == 1
+    assert ring.pop_oldest() == ("c", [])
+    assert slot_of["c"].waited == 1
+
+
+def test_host_buffers_are_pinned_only_for_cuda() -> None:
+    ring = PinnedRing[int](RingConfig(), device=torch.device("cpu"), new_marker=WallMarker)
+    assert not any(slot.host.is_pinned() for slot in ring._free)
+    with pytest.raises(ValueError):
+        ring.push([torch.tensor(0.0)] * 9, 0)
+
+
+def test_device_values_travel_through_the_ring(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU run has nothing on a device; here CPU tensors are taken for device tensors, so the
+    hook's ring path (pack, copy, markers, a full ring) runs as it does on a GPU."""
+    monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
+    config = dataclasses.replace(hook_config(tmp_path), ring=RingConfig(slots=2))
+    markers: list[FakeMarker] = []
+
+    def pending_marker() -> FakeMarker:
+        markers.append(FakeMarker())
+        return markers[-1]
+
+    with attach(tmp_path, transport, config=config) as rh:
+        rh._ring = PinnedRing(config.ring, device=torch.device("cpu"), new_marker=pending_marker)
+        for attempt in range(1, 4):
+            rh.window_start()
+            for _ in range(2):
+                rh.loss(torch.tensor(float(attempt)), labels=torch.ones(1, 5, dtype=torch.long))
+            rh.grad_norm(torch.tensor(0.5))
+            rh.window_end()
+        assert rh.counters["ring_waits"] == 1  # the third window found the ring full
+        assert sorted(m.waited for m in markers) == [0, 1]
+        assert wait_until(lambda: [s["attempt"] for s in transport.records("step")] == [1], 2.0)
+    steps = transport.records("step")
+    assert [s["attempt"] for s in steps] == [1, 2, 3]  # the rest at close
+    assert [(s["tokens"], s["loss_sum"], s["reported_loss"]) for s in steps] == [
+        (8, 8.0, 1.0),
+        (8, 16.0, 2.0),
+        (8, 24.0, 3.0),
+    ]
+    assert {s["grad_norm"] for s in steps} == {0.5}
+
+
+def test_a_device_loss_with_a_host_token_count(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device loss, count given as an int or from CPU labels: the sum is a device op, the count
+    a host number; both arrive in one record."""
+    monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
+    with attach(tmp_path, transport) as rh:
+        rh.window_start()
+        rh.loss(torch.tensor(2.0), tokens=3)
+        rh.loss(torch.tensor(4.0), labels=torch.tensor([[1, 2, -100]]))
+        rh.window_end()
+    (step,) = transport.records("step")
+    assert (step["tokens"], step["loss_sum"], step["reported_loss"]) == (4, 2.0 * 3 + 4.0 * 1, 3.0)
+
+
+class ListedStamps:
+    """Stamps the test chooses, one per phase change."""
+
+    def __init__(self, times: list[float]) -> None:
+        self._times = iter(times)
+
+    def stamp(self, now: float) -> float:
+        return next(self._times)
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def release(self, stamps: list[Any]) -> None:
+        return None
+
+
+def test_phase_timings_add_up_each_phase() -> None:
+    stamps = ListedStamps([1.0, 2.0, 3.0, 4.0, 10.0, 12.0])
+    clock = PhaseClock(stamps, max_marks=16)
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA):
+        clock.enter(phase)
+    window = clock.take_window()
+    # forward 1-2 and 3-4, backward 2-3 and 4-10, optimizer 10-12
+    assert window.durations(stamps) == {Phase.FORWARD: 2.0, Phase.BACKWARD: 7.0, Phase.OPTIMIZER: 2.0}
+    assert clock.state.phase is Phase.DATA
+    assert abs(clock.epoch(clock.state.since) - time.time()) < 1.0
+
+
+def test_a_window_with_too_many_phase_changes_reports_unknown_timings() -> None:
+    clock = PhaseClock(WallStamps(), max_marks=3)
+    for phase in (Phase.FORWARD, Phase.BACKWARD) * 3:
+        clock.enter(phase)
+    assert clock.take_window().durations(WallStamps()) is None
+    assert PhaseMarks((), complete=True).durations(WallStamps()) is None
+
+
+# Layout, configuration, packaging.
+
+
+class FakeMesh:
+    mesh_dim_names = ("pp", "dp_replicate", "dp_shard", "tp")
+    shape = (2, 2, 4, 2)
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        return (1, 1, 2, 0)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def test_layout_from_a_device_mesh_combines_the_data_parallel_dimensions() -> None:
+    layout = layout_from_mesh(FakeMesh())
+    assert layout.dp == Coordinate(1 * 4 + 2, 8)
+    assert layout.pp == Coordinate(1, 2) and layout.tp == Coordinate(0, 2) and layout.cp == Coordinate()
+    assert layout.ranks() == {"dp_rank": 6, "tp_rank": 0, "pp_rank": 1, "cp_rank": 0}
+
+
+def test_layout_from_process_groups() -> None:
+    class Dist:
+        def get_rank(self, group: str) -> int:
+            return {"dp": 3, "tp": 1}[group]
+
+        def get_world_size(self, group: str) -> int:
+            return {"dp": 4, "tp": 2}[group]
+
+    layout = layout_from_groups({"dp": "dp", "tp": "tp"}, Dist())
+    assert layout.sizes() == {"dp": 4, "tp": 2, "pp": 1, "cp": 1}
+    with pytest.raises(ValueError, match="named dp"):
+        layout_from_groups({"ep": "ep"}, Dist())
+
+
+def test_configuration_from_an_injected_environment() -> None:
+    config = RunHealthConfig.from_environ(
+        {
+            "RUNHEALTH_URL": "http://monitor:8765",
+            "RUNHEALTH_TOKEN": "tok",
+            "RUNHEALTH_RUN": "policy-sft-v4",
+            "RUNHEALTH_HEARTBEAT_S": "2.5",
+            "RUNHEALTH_SPOOL_DIR": "/var/spool/rh",
+            "RUNHEALTH_DB": "/local/rh.db",
+            "TORCH_FR_BUFFER_SIZE": "2000",
+        }
+    )
+    assert (config.transport.url, config.transport.token, config.transport.run) == (
+        "http://monitor:8765",
+        "tok",
+        "policy-sft-v4",
+    )
+    assert config.sender.heartbeat_interval_s == 2.5 and config.spool.directory == "/var/spool/rh"
+    assert config.embedded.db == "/local/rh.db" and config.hook.nccl_trace
+    assert RunHealthConfig.from_environ({}) == RunHealthConfig()
+    with pytest.raises(ConfigError, match="RUNHEALTH_HEARTBEAT_S"):
+        RunHealthConfig.from_environ({"RUNHEALTH_HEARTBEAT_S": "often"})
+    with pytest.raises(ConfigError, match="http"):
+        RunHealthConfig.from_environ({"RUNHEALTH_URL": "monitor:8765"})
+    with pytest.raises(ConfigError, match="max_sample_ids"):
+        HookConfig(max_sample_ids=200_000)
+
+
+def test_samplers_hand_records_to_the_hook(tmp_path: Path, transport: RecordingTransport) -> None:
+    class Sampler:
+        def __init__(self, sink: RecordSink) -> None:
+            self.sink = sink
+            self.stopped = False
+
+        def start(self) -> None:
+            record = {"kind": "link_sample", "node": "node-a", "device": "mlx5_0", "port": 1, "seq": 0}
+            self.sink({**record, "time": time.time(), "counters": {"symbol_error": math.nan}})
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    with attach(tmp_path, transport) as rh:
+        sampler = Sampler(rh.submit)
+        rh.add_sampler(sampler)
+    (sample,) = transport.records("link_sample")
+    assert sample["counters"] == {"symbol_error": "NaN"} and sampler.stopped
+
+
+def test_importing_collectors_needs_no_torch() -> None:
+    program = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import collectors, collectors.hook, collectors.sender, collectors.spool\n"
+        "assert 'monitor' not in sys.modules, 'collectors imported server code'\n"
+        "rh = collectors.RunHealth(environ={})\n"
+        "rh.start()\n"  # attach fails without torch: logged, the hook stays off
+        "rh.window_start(); rh.loss(1.0); rh.window_end(); rh.close()\n"
+        "assert rh.counters['hook_errors'] == 1, rh.counters\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=REPO, env=child_environ(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_close_is_idempotent_and_records_an_open_window(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    rh = attach(tmp_path, transport)
+    rh.window_start(sample_ids=torch.tensor([7, 8]))
+    rh.close("stopped")
+    rh.close()
+    assert wait_until(lambda: bool(transport.records("run_finish")), 1.0)
+    assert transport.records("step")[0]["sample_ids"] == [7, 8]
+    assert transport.records("run_finish")[0]["status"] == "stopped"

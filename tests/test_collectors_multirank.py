@@ -1,0 +1,121 @@
+"""Four ranks on gloo, the hook on every one: every window of every rank in the store once,
+through a service killed and restarted mid-run, and through the embedded service."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.collectors_support import ServeProcess, child_environ, step_rows, table_rows, wait_until
+from tests.support import free_port, require_module
+
+WORLD = 4
+WINDOWS = 40
+SKIP_AT = 20
+
+require_module("torch")
+
+
+def launch(root: Path, step_sleep: float, **runhealth: str) -> list[subprocess.Popen[bytes]]:
+    """Four ranks, as torchrun would start them on one node."""
+    out = root / "results"
+    out.mkdir()
+    port = str(free_port())
+    ranks = []
+    for rank in range(WORLD):
+        environ = child_environ(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(WORLD),
+            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+            RUNHEALTH_SPOOL_DIR=str(root / "spool"), **runhealth,
+        )  # fmt: skip
+        command = [
+            sys.executable, "-m", "tests.collectors_worker", "--windows", str(WINDOWS),
+            "--skip-at", str(SKIP_AT), "--step-sleep", str(step_sleep), "--out", str(out),
+        ]  # fmt: skip
+        with open(root / f"rank-{rank}.log", "ab") as log:
+            ranks.append(subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=log))
+    return ranks
+
+
+def wait_for(
+    ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 120.0
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank in ranks:
+            rank.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    logs = "\n".join((root / f"rank-{n}.log").read_text(errors="replace")[-2000:] for n in range(WORLD))
+    assert all(rank.returncode == 0 for rank in ranks), logs
+    return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in range(WORLD)]
+
+
+def assert_every_window_once(db: Path, run: str, results: list[dict[str, Any]], root: Path) -> None:
+    rows = step_rows(db, run)
+    keys = [(row["incarnation"], row["rank"], row["attempt"]) for row in rows]
+    assert len(rows) == WORLD * WINDOWS and len(set(keys)) == len(keys)
+    assert {row["incarnation"] for row in rows} == {results[0]["incarnation"]}
+    for rank in range(WORLD):
+        mine = [row for row in rows if row["rank"] == rank]
+        assert [row["attempt"] for row in mine] == list(range(1, WINDOWS + 1))
+        skipped = [row["attempt"] for row in mine if row["skipped"]]
+        assert skipped == [SKIP_AT], f"rank {rank} skipped {skipped}"
+        assert mine[-1]["step"] == WINDOWS - 1 and mine[-1]["consumed"] == WINDOWS * 4 * WORLD
+        assert mine[0]["dp_rank"] == rank and mine[0]["tokens"] == 4 * 16
+    assert not list((root / "spool").rglob("*.dead.jsonl")), "nothing may be dead-lettered"
+    for result in results:
+        assert result["counters"]["dropped"] == 0 and result["counters"]["dead_lettered"] == 0
+        assert result["progress"] == {
+            "attempt": WINDOWS,
+            "step": WINDOWS - 1,
+            "consumed": WINDOWS * 4 * WORLD,
+        }
+    heartbeats = table_rows(db, "heartbeats")
+    assert sorted(beat["rank"] for beat in heartbeats) == list(range(WORLD))
+    assert {beat["phase"] for beat in heartbeats} == {"closed"}
+    (incarnation,) = table_rows(db, "incarnations")
+    assert incarnation["world_size"] == WORLD and incarnation["finish_status"] == "completed"
+
+
+@pytest.mark.slow
+def test_four_ranks_through_a_service_killed_and_restarted_mid_run(tmp_path: Path) -> None:
+    db = tmp_path / "store.db"
+    serve = ServeProcess(tmp_path, db)
+    serve.start()
+    try:
+        token = serve.create_run("gloo-4")
+        ranks = launch(tmp_path, 0.05, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token, RUNHEALTH_RUN="gloo-4")
+        assert wait_until(lambda: len(step_rows(db)) >= WORLD * 6, 90, interval_s=0.1), serve.log_tail()
+        serve.kill()
+        killed_with = len(step_rows(db))
+        time.sleep(1.0)
+        serve.start()
+        results = wait_for(ranks, tmp_path)
+    finally:
+        serve.stop()
+    assert killed_with < WORLD * WINDOWS, "the kill must land mid-run"
+    assert_every_window_once(db, "gloo-4", results, tmp_path)
+    assert sum(result["counters"]["spooled"] for result in results) > 0, "the outage was not exercised"
+    for result in results:
+        assert result["counters"]["replayed"] == result["counters"]["spooled"]
+        assert not Path(result["spool_path"]).exists()  # replayed to the end, then removed
+
+
+@pytest.mark.slow
+def test_four_ranks_with_no_url_use_the_embedded_service(tmp_path: Path) -> None:
+    db = tmp_path / "embedded.db"
+    results = wait_for(launch(tmp_path, 0.0, RUNHEALTH_DB=str(db), RUNHEALTH_RUN="embedded-4"), tmp_path)
+    assert_every_window_once(db, "embedded-4", results, tmp_path)
+    pids = [result["embedded_pid"] for result in results]
+    assert pids[0] is not None and pids[1:] == [None] * (WORLD - 1)  # local rank 0 started it
+    assert not Path(f"/proc/{pids[0]}").exists(), "the embedded service must be stopped at close"
+    assert all(result["counters"]["sent"] > 0 and result["counters"]["spooled"] == 0 for result in results)

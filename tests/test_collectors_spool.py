@@ -1,0 +1,129 @@
+"""The local spool on a real directory: append, replay in order, cursor, torn lines, the disk
+limit, dead letters, and adoption of files a finished or crashed process left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from collectors.counters import Counters
+from collectors.spool import Spool, SpoolConfig, SpoolFile
+
+
+def records(start: int, count: int) -> list[dict[str, object]]:
+    return [{"kind": "heartbeat", "n": n} for n in range(start, start + count)]
+
+
+def spool(
+    root: Path, name: str = "node.rank0.aaa", counters: Counters | None = None, **config: object
+) -> Spool:
+    settings = {"directory": str(root), "fsync": False, **config}
+    return Spool(SpoolConfig(**settings), "run/1", name, counters or Counters())  # type: ignore[arg-type]
+
+
+def replay_all(target: Spool) -> list[list[dict[str, object]]]:
+    seen = []
+    while (batch := target.head()) is not None:
+        seen.append(batch.records)
+        target.advance(batch)
+    return seen
+
+
+def test_batches_replay_in_order_and_the_file_starts_over(tmp_path: Path) -> None:
+    counters = Counters()
+    target = spool(tmp_path, counters=counters)
+    assert target.directory == tmp_path / "run_1"  # a run name made file-name safe
+    assert not target.backlog()
+    assert target.append(records(0, 2)) and target.append(records(2, 3))
+    assert target.backlog() and counters.snapshot()["spooled"] == 5
+    first = target.head()
+    assert first is not None and first.records == records(0, 2)
+    assert target.head() == first  # not advanced: the same batch again
+    target.advance(first)
+    assert replay_all(target) == [records(2, 3)]
+    assert not target.backlog() and target.path.stat().st_size == 0
+
+
+def test_a_replayed_cursor_survives_a_restart(tmp_path: Path) -> None:
+    first = spool(tmp_path)
+    first.append(records(0, 1))
+    first.append(records(1, 1))
+    batch = first.head()
+    assert batch is not None
+    first.advance(batch)
+    path = first.path
+    first.close()  # the process ends with one batch still spooled
+    assert path.exists()
+
+    later = spool(tmp_path, name="node.rank0.bbb")  # a new incarnation of the same rank
+    assert later.backlog()
+    assert replay_all(later) == [records(1, 1)]
+    later.close()
+    assert not path.exists() and not list(tmp_path.glob("run_1/*.jsonl"))
+
+
+def test_a_held_spool_is_not_adopted(tmp_path: Path) -> None:
+    live = spool(tmp_path, name="node.rank1.aaa")
+    live.append(records(0, 1))
+    other = spool(tmp_path, name="node.rank0.aaa")
+    assert not other.backlog()  # rank 1's process is alive and holds its file
+    live.close()
+    other.close()
+    assert spool(tmp_path, name="node.rank0.bbb").backlog()
+
+
+def test_a_torn_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    path = tmp_path / "run_1" / "node.rank3.old.jsonl"
+    path.parent.mkdir(parents=True)
+    good = json.dumps({"records": records(0, 1)})
+    path.write_text(f"{good}\nnot json\n{good}\n" + '{"records": [{"kind": "he')  # a write cut short
+    counters = Counters()
+    target = spool(tmp_path, counters=counters)
+    assert replay_all(target) == [records(0, 1), records(0, 1)]
+    assert counters.snapshot()["spool_unreadable"] == 2
+    target.close()
+    assert not path.exists()
+
+
+def test_past_the_disk_limit_batches_are_dropped_and_counted(tmp_path: Path) -> None:
+    counters = Counters()
+    target = spool(tmp_path, counters=counters, max_bytes=4096)
+    big = [{"kind": "heartbeat", "pad": "x" * 1000}]
+    stored = sum(target.append(big) for _ in range(6))
+    assert stored == 3
+    assert counters.snapshot()["dropped"] == 3 and counters.snapshot()["spooled"] == 3
+    assert len(replay_all(target)) == 3  # what was kept is intact
+
+
+def test_dead_letters_keep_the_records_and_the_reason(tmp_path: Path) -> None:
+    counters = Counters()
+    target = spool(tmp_path, counters=counters)
+    target.dead_letter(records(0, 2), "422 invalid_record: record 1: field 'loss_sum'", 422)
+    (line,) = target.dead_letter_path.read_text().splitlines()
+    entry = json.loads(line)
+    assert entry["status"] == 422 and "loss_sum" in entry["reason"] and entry["records"] == records(0, 2)
+    assert counters.snapshot()["dead_lettered"] == 2
+    target.close()
+    assert target.dead_letter_path.exists()  # never replayed, never removed
+    assert not spool(tmp_path, name="other").backlog()
+
+
+def test_one_process_holds_a_spool_file_exclusively(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    held = SpoolFile.open_locked(path)
+    assert held is not None
+    assert SpoolFile.open_locked(path) is None
+    held.close(remove_if_empty=False)
+    again = SpoolFile.open_locked(path)
+    assert again is not None
+    again.close(remove_if_empty=True)
+    assert not path.exists()
+
+
+def test_configuration_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        SpoolConfig(max_bytes=10)
+    with pytest.raises(ValueError, match="directory"):
+        SpoolConfig(directory="")

@@ -1,0 +1,286 @@
+"""The sender against a real ``runhealth serve`` child: delivery, the service down and back,
+dead letters for invalid or conflicting records, 413 splits, and a spool a new process adopts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collectors import RunHealth, RunHealthConfig
+from collectors.counters import Counters
+from collectors.sender import Sender, SenderConfig
+from collectors.spool import Spool, SpoolConfig
+from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
+from tests.collectors_support import ServeProcess, child_environ, step_rows, wait_until
+from tests.support import free_port, require_module
+
+
+def step(attempt: int, rank: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"kind": "step", "incarnation": "inc-1", "rank": rank, "attempt": attempt, "step": attempt,
+            "time": 1_700_000_000.0 + attempt, **extra}  # fmt: skip
+
+
+def make_sender(
+    serve: ServeProcess,
+    token: str,
+    run: str,
+    root: Path,
+    counters: Counters,
+    name: str = "n.rank0.a",
+    **config: Any,
+) -> Sender:
+    transport = HttpTransport(TransportConfig(url=serve.url, token=token, run=run, timeout_s=5.0))
+    spool = Spool(SpoolConfig(directory=str(root / "spool")), run, name, counters)
+    settings = {
+        "flush_interval_s": 0.05,
+        "retry_initial_s": 0.05,
+        "retry_max_s": 0.2,
+        "close_timeout_s": 20.0,
+    }
+    return Sender(SenderConfig(**{**settings, **config}), transport, spool, counters)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One service for the tests that do not stop it; each test uses its own run."""
+    root = tmp_path_factory.mktemp("serve")
+    process = ServeProcess(root, root / "store.db", RUNHEALTH_MAX_BATCH_RECORDS="20")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def attempts(db: Path) -> list[int]:
+    return [row["attempt"] for row in step_rows(db)]
+
+
+def rows_of(serve: ServeProcess, run: str) -> list[dict[str, Any]]:
+    return step_rows(serve.db, run)
+
+
+@pytest.mark.slow
+def test_records_reach_a_real_service(serve: ServeProcess, tmp_path: Path) -> None:
+    token = serve.create_run("deliver")
+    counters = Counters()
+    sender = make_sender(serve, token, "deliver", tmp_path, counters, batch_records=7)
+    sender.start()
+    for attempt in range(1, 31):
+        sender.submit(step(attempt, loss_sum="NaN"))
+    sender.close()
+    stored = rows_of(serve, "deliver")
+    assert sorted(row["attempt"] for row in stored) == list(range(1, 31))
+    assert counters.snapshot()["sent"] == 30 and counters.snapshot()["spooled"] == 0
+
+
+@pytest.mark.slow
+def test_an_invalid_record_is_dead_lettered_and_the_rest_delivered(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    token = serve.create_run("invalid")
+    counters = Counters()
+    sender = make_sender(serve, token, "invalid", tmp_path, counters)
+    sender.start()
+    for attempt in range(1, 11):
+        sender.submit(step(attempt, tokens=-1) if attempt == 5 else step(attempt))
+    sender.close()
+    assert sorted(row["attempt"] for row in rows_of(serve, "invalid")) == [1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert counters.snapshot()["dead_lettered"] == 1 and counters.snapshot()["sent"] == 9
+    dead = (tmp_path / "spool" / "invalid" / "n.rank0.a.dead.jsonl").read_text()
+    assert '"status":422' in dead and "tokens" in dead
+
+
+@pytest.mark.slow
+def test_a_conflicting_record_is_dead_lettered(serve: ServeProcess, tmp_path: Path) -> None:
+    token = serve.create_run("conflict")
+    counters = Counters()
+    sender = make_sender(serve, token, "conflict", tmp_path, counters)
+    sender.start()
+    sender.submit(step(1, loss_sum=1.0))
+    assert wait_until(lambda: counters.snapshot()["sent"] == 1, 10)
+    sender.submit(step(2))
+    sender.submit(step(1, loss_sum=2.0))  # the same key, other content
+    sender.submit(step(3))
+    sender.close()
+    stored = rows_of(serve, "conflict")
+    assert sorted(row["attempt"] for row in stored) == [1, 2, 3]
+    assert next(row for row in stored if row["attempt"] == 1)["loss_sum"] == 1.0
+    assert counters.snapshot()["dead_lettered"] == 1
+
+
+@pytest.mark.slow
+def test_a_batch_over_the_service_limit_is_split(serve: ServeProcess, tmp_path: Path) -> None:
+    token = serve.create_run("split")  # this service takes at most 20 records a batch
+    counters = Counters()
+    sender = make_sender(serve, token, "split", tmp_path, counters, batch_records=75)
+    for attempt in range(1, 76):
+        sender.submit(step(attempt))
+    sender.start()
+    sender.close()
+    assert sorted(row["attempt"] for row in rows_of(serve, "split")) == list(range(1, 76))
+    assert counters.snapshot()["sent"] == 75 and counters.snapshot()["dead_lettered"] == 0
+
+
+@pytest.mark.slow
+def test_the_service_down_and_back_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    serve = ServeProcess(tmp_path, tmp_path / "store.db")
+    serve.start()
+    try:
+        token = serve.create_run("outage")
+        counters = Counters()
+        sender = make_sender(serve, token, "outage", tmp_path, counters, batch_records=10)
+        sender.start()
+        for attempt in range(1, 21):
+            sender.submit(step(attempt))
+        assert wait_until(lambda: counters.snapshot()["sent"] == 20, 10)
+        serve.kill()
+        for attempt in range(21, 61):
+            sender.submit(step(attempt))
+        assert wait_until(lambda: counters.snapshot()["spooled"] >= 40, 10)
+        assert Path(sender.spool_path).stat().st_size > 0
+        serve.start()
+        assert wait_until(lambda: counters.snapshot()["replayed"] >= 40, 20)
+        for attempt in range(61, 71):
+            sender.submit(step(attempt))
+        sender.close()
+    finally:
+        serve.stop()
+    assert attempts(tmp_path / "store.db") == list(range(1, 71))  # once each, in the store
+    snapshot = counters.snapshot()
+    assert snapshot["sent"] + snapshot["replayed"] >= 70 and snapshot["dropped"] == 0
+    assert snapshot["spooled"] == snapshot["replayed"]
+
+
+@pytest.mark.slow
+def test_a_new_process_replays_the_spool_an_old_one_left(tmp_path: Path) -> None:
+    serve = ServeProcess(tmp_path, tmp_path / "store.db")
+    serve.start()
+    try:
+        token = serve.create_run("restart")
+        serve.kill()
+        first = Counters()
+        crashed = make_sender(
+            serve, token, "restart", tmp_path, first, name="n.rank0.inc1", close_timeout_s=0.3
+        )
+        crashed.start()
+        for attempt in range(1, 26):
+            crashed.submit(step(attempt))
+        crashed.close()  # the service never came back while this trainer ran
+        assert first.snapshot()["spooled"] == 25 and first.snapshot()["replayed"] == 0
+        serve.start()
+        second = Counters()
+        restarted = make_sender(serve, token, "restart", tmp_path, second, name="n.rank0.inc2")
+        restarted.start()
+        restarted.submit(step(26))
+        restarted.close()
+    finally:
+        serve.stop()
+    assert attempts(tmp_path / "store.db") == list(range(1, 27))
+    assert second.snapshot()["replayed"] == 25
+    assert not list((tmp_path / "spool" / "restart").glob("*.rank0.*.jsonl"))
+
+
+def test_what_each_answer_means_for_a_batch() -> None:
+    def answer(status: int, body: dict[str, Any] | None = None) -> Delivery:
+        return classify(status, json.dumps(body or {"error": "x", "message": "y"}).encode())
+
+    assert answer(200).outcome is Outcome.DELIVERED
+    for status in (408, 429, 500, 502, 503):
+        assert answer(status).outcome is Outcome.RETRY
+    for status in (400, 401, 403, 404, 413):
+        assert answer(status).outcome is Outcome.REJECTED
+    invalid = answer(422, {"problems": [{"index": 3}, {"index": 1}, {"index": 3}, {"index": None}]})
+    assert invalid.outcome is Outcome.REJECTED and invalid.bad_indexes == (1, 3)
+    assert answer(409, {"error": "conflict", "index": 7}).bad_indexes == (7,)
+    assert "409 conflict: m" in answer(409, {"error": "conflict", "message": "m"}).reason
+    assert classify(502, b"<html>bad gateway</html>").reason.startswith("502")
+
+
+def test_a_slow_or_unreachable_service_means_retry() -> None:
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        slow = HttpTransport(TransportConfig(url=url, run="r", timeout_s=0.3))
+        delivery = slow.post([step(1)])
+        slow.close()
+    assert delivery.outcome is Outcome.RETRY and "timed out" in delivery.reason
+    refused = HttpTransport(TransportConfig(url=f"http://127.0.0.1:{free_port()}", run="r", timeout_s=2.0))
+    started = time.monotonic()
+    assert refused.post([step(1)]).outcome is Outcome.RETRY
+    assert time.monotonic() - started < 2.0
+    refused.close()
+
+
+@pytest.mark.slow
+def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(tmp_path: Path) -> None:
+    require_module("torch")
+    environ = child_environ(
+        RUNHEALTH_DB=str(tmp_path / "missing-dir" / "file" / "x.db"),
+        RUNHEALTH_RUN="no-service",
+        RUNHEALTH_SPOOL_DIR=str(tmp_path / "spool"),
+    )
+    (tmp_path / "missing-dir").write_text("a file where the store's directory should be")
+    rh = RunHealth(environ=environ, config=quick_config(environ)).start()
+    for _ in range(3):
+        rh.window_start()
+        rh.loss(1.5, tokens=3)
+        rh.window_end()
+    rh.close()
+    assert rh.embedded_pid is None and rh.progress["attempt"] == 3
+    assert rh.counters["spooled"] == 5 and rh.counters["sent"] == 0  # run start, 3 steps, finish
+    (spooled,) = (tmp_path / "spool" / "no-service").glob("*.jsonl")
+    assert spooled.read_text().count('"kind":"step"') == 3
+
+
+def quick_config(environ: dict[str, str]) -> RunHealthConfig:
+    config = RunHealthConfig.from_environ(environ)
+    sender = dataclasses.replace(config.sender, close_timeout_s=0.5, retry_initial_s=0.05)
+    return dataclasses.replace(config, sender=sender)
+
+
+class ClosingHandler(BaseHTTPRequestHandler):
+    """Answers 200 and then drops the connection without saying so, as an idle-timeout does."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        body = b'{"accepted": 1, "duplicates": 0, "by_kind": {}}'
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, *_args: Any) -> None:
+        return None
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_not_reported_down() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        transport = HttpTransport(TransportConfig(url=url, run="r", timeout_s=5.0))
+        outcomes = []
+        for attempt in range(3):
+            outcomes.append(transport.post([step(attempt + 1)]).outcome)
+            time.sleep(0.05)  # the server has closed its side by now
+        transport.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert outcomes == [Outcome.DELIVERED] * 3
