@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from collectors.directives import DirectiveConfig
 from collectors.embedded import EmbeddedConfig
 from collectors.ring import RingConfig
 from collectors.sender import SenderConfig
@@ -37,6 +38,11 @@ class HookConfig:
     ``max_phase_marks``: 128 phase changes per window (about 60 microbatches) for timings.
     ``nccl_trace``: whether ``stack_dump`` asks for the NCCL flight recorder; on when the
     recorder is (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` above 0).
+    ``agree_every``: the window boundaries at which ranks agree on directives (every 4th: one
+    16-byte gloo all-reduce per four windows; a directive acts at most 8 windows after its
+    step, well inside the margin the service gives it).
+    ``canary_on_checkpoint``: run the canary suite when a checkpoint is saved (every rank
+    saves at the same step, so the canary is aligned without a directive).
     """
 
     shift_labels: bool = True
@@ -44,6 +50,8 @@ class HookConfig:
     max_sample_ids: int = 4096
     max_phase_marks: int = 128
     nccl_trace: bool = False
+    agree_every: int = 4
+    canary_on_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sample_ids <= SERVICE_SAMPLE_ID_LIMIT:
@@ -53,6 +61,8 @@ class HookConfig:
             )
         if self.max_phase_marks < 2:
             raise ConfigError("HookConfig.max_phase_marks must be >= 2")
+        if self.agree_every < 1:
+            raise ConfigError("HookConfig.agree_every must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class RunHealthConfig:
     sender: SenderConfig = field(default_factory=SenderConfig)
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    directives: DirectiveConfig = field(default_factory=DirectiveConfig)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RunHealthConfig:

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -43,6 +44,7 @@ from collectors.checkpoints import checkpoint_record
 from collectors.collectives import collectives_for
 from collectors.config import RunHealthConfig
 from collectors.counters import Counters
+from collectors.directives import IMMEDIATE, Armory, Consensus, Directive
 from collectors.embedded import mark_done
 from collectors.guard import Faults, guarded
 from collectors.layout import Identity, discover_identity, resolve_device
@@ -108,6 +110,7 @@ class RunHealth:
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
         hostname: Callable[[], str] = attach.hostname,
+        canary_faults: Any = None,
     ) -> None:
         self._environ = dict(os.environ if environ is None else environ)  # the one read
         self.config = config or RunHealthConfig.from_environ(self._environ)
@@ -139,6 +142,13 @@ class RunHealth:
         hook_config = self.config.hook
         self._counting = Counting(hook_config.shift_labels, hook_config.ignore_index)
         self._logged: set[str] = set()
+        # Directives: armed by the sender thread, acted on at window boundaries (directives.py).
+        self._armory = Armory()
+        self._stop: Directive | None = None
+        self._boundary_attempt = -1
+        self._next_poll = 0.0
+        self._canary_stack: dict[str, Any] | None = None
+        self._canary_faults = canary_faults  # emulated faulty hardware, for tests and drills
         self.watch(model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler)
 
     # Attaching and closing.
@@ -172,6 +182,7 @@ class RunHealth:
             hostname=self._hostname,
         )
         collectives = collectives_for(torch)
+        self._collectives = collectives
         ids = attach.agree_on_run(collectives, self.config.transport.run, self._environ)
         self.incarnation, self.run = ids.incarnation, ids.run
         if self.config.transport.url or self._transport is not None:
@@ -188,8 +199,9 @@ class RunHealth:
             self._counters,
             transport=self._transport,
             heartbeat=self._heartbeat,
-            poll=self._drain_ready,
+            poll=self._on_sender_cycle,
         )
+        self._consensus = Consensus.create(torch)
         device_type = self._device.type
         new_marker = marker_factory(device_type)
         self._ring = PinnedRing[PendingWindow](self.config.ring, device=self._device, new_marker=new_marker)
@@ -246,6 +258,7 @@ class RunHealth:
             self._stop_sampler(sampler)
         for handle in self._handles:
             handle.remove()
+        self._consensus.close()
         self._sender.close()
         self._release_service()
 
@@ -302,6 +315,8 @@ class RunHealth:
         self.start()
         iterator = iter(batches)
         while True:
+            if self.should_stop():
+                return  # before fetching: the next batch stays for after the rollback
             for index in range(max(1, microbatches)):
                 if index:
                     self._enter(Phase.DATA)
@@ -332,6 +347,7 @@ class RunHealth:
             return
         if self._window is not None:  # the trainer skipped window_end: close the open one
             self.window_end()
+        self._boundary()
         if data_wait_s is None and self._last_end is not None:
             data_wait_s = time.perf_counter() - self._last_end
         self._attempt += 1
@@ -556,6 +572,8 @@ class RunHealth:
             step, path, self._clock(), manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
         )
         self._submit_event(record)
+        if self.config.hook.canary_on_checkpoint and self._active:
+            self._run_canary(None)
 
     @guarded
     def resumed(
@@ -575,6 +593,9 @@ class RunHealth:
         fine once at resume. Objects default to the watched ones. The step counter continues
         from ``checkpoint_step`` (else the optimizer's step counter), ``consumed`` likewise;
         the first batch's ids come from the first window unless given."""
+        if self._active and self._attempt > 0:
+            self._new_incarnation()  # restored in this process: what follows is a new start
+        self._stop = None
         watched_optimizer = self._optimizers[0] if self._optimizers else None
         restored = gather_restored(
             model=model if model is not None else self._model,
@@ -671,6 +692,165 @@ class RunHealth:
         if destination is None or destination.service is None:
             return None
         return destination.service.pid
+
+    # Directives: polled on the sender thread, acted on at window boundaries.
+
+    @guarded
+    def should_stop(self) -> bool:
+        """True once a rollback directive stopped this rank at a window boundary (every rank
+        stops at the same one). ``windows()`` checks it itself; a hand-written loop calls it
+        before fetching each batch. The directive is then in ``rh.directive``."""
+        if self._active:
+            self._boundary()
+        return self._stop is not None
+
+    @property
+    def directive(self) -> dict[str, Any] | None:
+        """The rollback to carry out (checkpoint path and step, batch ids to skip, devices and
+        nodes to avoid), once ``should_stop()``; cleared by ``resumed()``."""
+        stop = self._stop
+        return (
+            None
+            if stop is None
+            else {"id": stop.id, "kind": stop.kind, "step": stop.act_at_step, **stop.payload}
+        )
+
+    def _boundary(self) -> None:
+        """Once per window boundary, on every rank alike: local directives, then the agreement."""
+        if self._boundary_attempt == self._attempt or self._stop is not None:
+            return
+        self._boundary_attempt = self._attempt
+        local = self._armory.take_local()
+        if local is not None:
+            self._act(local)
+        if self._attempt % self.config.hook.agree_every:
+            return
+        agreed = self._consensus.exchange(self._armory.oldest_armed())
+        directive = self._armory.known(agreed) if agreed else None
+        if (
+            directive is not None
+            and directive.act_at_step is not None
+            and self._step >= directive.act_at_step
+        ):
+            self._armory.handled(directive.id)
+            self._act(directive)
+
+    def _act(self, directive: Directive) -> None:
+        if directive.kind == "canary":
+            self._run_canary(directive)
+        elif directive.kind == "rollback":
+            self._stop = directive
+            self._ack(directive, "done", self._step, {"stopped_at_attempt": self._attempt})
+        else:
+            self._ack(
+                directive, "failed", self._step, {"reason": f"unknown directive kind {directive.kind!r}"}
+            )
+
+    def _run_canary(self, directive: Directive | None) -> None:
+        """The canary suite on this rank's device (a sync, at a boundary, on purpose)."""
+        from collectors.canary import CanaryConfig, run_canary, stack_key
+
+        if self._canary_stack is None:
+            from collectors.canary import describe_stack
+
+            self._canary_stack = describe_stack(self._device)
+        golden_by_stack = (directive.payload.get("golden") or {}) if directive is not None else {}
+        golden = golden_by_stack.get(stack_key(self._canary_stack))
+        try:
+            outcome = run_canary(
+                self._device, CanaryConfig(), golden, self._canary_faults, self._canary_stack
+            )
+        except Exception as exc:  # the suite must never take training down
+            self.faults.record("canary")
+            if directive is not None:
+                self._ack(directive, "failed", self._step, {"reason": f"{type(exc).__name__}: {exc}"})
+            return
+        record = {
+            "kind": "canary_result",
+            "incarnation": self.incarnation,
+            "rank": self.identity.rank,
+            "step": self._step,
+            "time": self._clock(),
+            "node": self.identity.node,
+            "directive_id": directive.id if directive is not None else None,
+            **outcome.as_wire(),
+        }
+        if self.identity.device_uuid is not None:
+            record["device_uuid"] = self.identity.device_uuid
+        self._sender.submit(to_wire(record))
+        if directive is not None:
+            self._ack(directive, "done", self._step, {"missed_golden": list(outcome.missed)})
+
+    def _ack(
+        self, directive: Directive, status: str, step: int, detail: Mapping[str, Any] | None = None
+    ) -> None:
+        self._sender.submit(
+            {
+                "kind": "directive_ack",
+                "directive_id": directive.id,
+                "incarnation": self.incarnation,
+                "rank": self.identity.rank,
+                "time": self._clock(),
+                "status": status,
+                "step": step,
+                "detail": to_wire(dict(detail or {})),
+            }
+        )
+
+    def _on_sender_cycle(self) -> None:
+        self._drain_ready()
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._next_poll = now + self.config.directives.poll_interval_s
+            self._poll_directives()
+
+    @guarded
+    def _poll_directives(self) -> None:
+        fetch = getattr(self._sender.transport, "directives", None)
+        if fetch is None or not self._active:
+            return
+        items = fetch(self.incarnation, self.identity.rank)
+        if items is None:
+            return
+        pending = [Directive.from_wire(item) for item in items]
+        for directive in pending:
+            if directive.kind == IMMEDIATE and self._armory.first_time(directive.id):
+                self._answer_dump(directive)
+        self._armory.update(pending, self._step, self._ack)
+
+    def _answer_dump(self, directive: Directive) -> None:
+        """All thread stacks, taken here on the sender thread: it works while training is stuck."""
+        dump = dump_stacks(nccl_trace=self.config.hook.nccl_trace)
+        self._sender.submit(
+            {
+                "kind": "stack_dump",
+                "incarnation": self.incarnation,
+                "rank": self.identity.rank,
+                "time": dump.time,
+                "stacks": dump.threads[:4_000_000],
+                "directive_id": directive.id,
+                "flight_recorder": dump.flight_recorder,
+            }
+        )
+        self._ack(directive, "done", self._step, {"note": dump.note} if dump.note else None)
+
+    def _new_incarnation(self) -> None:
+        """A restore inside this process: every rank calls ``resumed`` at the same boundary, so
+        rank 0's new incarnation id reaches all in one broadcast, as at attach."""
+        with self._lock:
+            self._emit(self._ring.drain())
+        self.incarnation = str(self._collectives.broadcast(str(uuid.uuid4())))
+        self._attempt = 0
+        self._boundary_attempt = -1
+        context = self._render_context
+        self._render_context = RenderContext(
+            self.identity.record_fields(self.incarnation),
+            context.counting,
+            context.max_sample_ids,
+            context.phases,
+        )
+        if self.identity.rank == 0:
+            self._sender.submit(self._run_start())
 
     # Records of the run.
 

@@ -207,9 +207,7 @@ class LinkReader:
             if self._thread is not None:
                 return
             self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._run, name="runhealth-links-sampler", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="runhealth-links-sampler", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:

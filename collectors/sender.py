@@ -105,6 +105,10 @@ class Sender:
         self._logged: set[str] = set()
 
     @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @property
     def spool_path(self) -> Path:
         return self._spool.path
 

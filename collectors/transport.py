@@ -76,6 +76,15 @@ class Connection:
         self._timeout_s = timeout_s
         self._connection: http.client.HTTPConnection | None = None
 
+    def get(self, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        reused = self._connection is not None
+        try:
+            return self._exchange(path, None, headers, "GET")
+        except STALE_CONNECTION:
+            if not reused:
+                raise
+        return self._exchange(path, None, headers, "GET")
+
     def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         """The status and body; raises ``OSError`` or ``http.client.HTTPException`` on failure.
 
@@ -90,10 +99,12 @@ class Connection:
                 raise
         return self._exchange(path, body, headers)
 
-    def _exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    def _exchange(
+        self, path: str, body: bytes | None, headers: dict[str, str], method: str = "POST"
+    ) -> tuple[int, bytes]:
         connection = self._connection or self._connect()
         try:
-            connection.request("POST", self._prefix + path, body=body, headers=headers)
+            connection.request(method, self._prefix + path, body=body, headers=headers)
             response = connection.getresponse()
             return response.status, response.read()
         except (OSError, http.client.HTTPException):
@@ -118,6 +129,7 @@ class HttpTransport:
         if config.url is None or config.run is None:
             raise ValueError("HttpTransport needs a URL and a run")
         self._connection = Connection(config.url, config.timeout_s)
+        self._poll_connection = Connection(config.url, config.timeout_s)
         self._path = f"/v1/runs/{config.run}/records"
         self._headers = {
             "authorization": f"Bearer {config.token or ''}",
@@ -131,8 +143,22 @@ class HttpTransport:
             return Delivery(Outcome.RETRY, None, f"{type(exc).__name__}: {exc}")
         return classify(status, body)
 
+    def directives(self, incarnation: str, rank: int) -> list[dict[str, Any]] | None:
+        """The service's pending directives for this rank (``None``: not reachable now). On a
+        connection of its own: the sender's may be mid-batch."""
+        path = f"{self._path.rsplit('/', 1)[0]}/directives?incarnation={incarnation}&rank={rank}"
+        try:
+            status, body = self._poll_connection.get(path, {"authorization": self._headers["authorization"]})
+        except (OSError, http.client.HTTPException):
+            return None
+        if status != 200:
+            return None
+        items = json_body(body).get("directives")
+        return items if isinstance(items, list) else None
+
     def close(self) -> None:
         self._connection.close()
+        self._poll_connection.close()
 
 
 def classify(status: int, body: bytes) -> Delivery:

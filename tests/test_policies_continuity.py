@@ -95,3 +95,29 @@ def test_each_lost_piece_of_state_is_named(restored: dict, kind: str) -> None:
 
 def test_lr_within_tolerance_continues() -> None:
     assert resume_findings(facts(lr=1e-3 * 1.005), EXPECTED, CONFIG) == ()
+
+
+def test_the_hooks_nested_resume_record_is_read() -> None:
+    restored = {
+        "optimizer": {
+            "lr": [1e-3],
+            "optimizer_step_max": 1840.0,
+            "exp_avg_norm": 0.3,
+            "exp_avg_sq_norm": 0.01,
+        },
+        "scheduler": {"last_epoch": 1840, "last_lr": [1e-3]},
+        "consumed": 117_760,
+        "first_sample_ids": [500, 501],
+    }
+    facts = ResumeFacts.from_record("inc-2", 0, 1840, restored)
+    assert (facts.optimizer_step, facts.lr, facts.scheduler_last_epoch, facts.exp_avg_sq_norm) == (
+        1840.0,
+        1e-3,
+        1840,
+        0.01,
+    )
+    assert resume_findings(facts, EXPECTED, CONFIG) == ()
+    lost = {**restored, "optimizer": {**restored["optimizer"], "exp_avg_sq_norm": 0.0}}
+    assert [
+        f.kind for f in resume_findings(ResumeFacts.from_record("i", 0, 1840, lost), EXPECTED, CONFIG)
+    ] == ["optimizer_state_lost"]

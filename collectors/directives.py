@@ -1,0 +1,163 @@
+"""Directives from the service, and acting on them at one step on every rank.
+
+The sender thread polls ``GET /v1/runs/{run}/directives`` off the training step. A
+``dump_stacks`` directive is answered on that thread at once (it works while the training
+thread is stuck, which is when it is wanted). A directive that names a step (``rollback``,
+``canary``) is *armed*; it is acted on at the first window boundary at or after its step
+where every rank is known to have armed it.
+
+Knowing that needs agreement: a rank that stopped at the step while another, which had not
+yet seen the directive, went on into the next window's collectives would leave both waiting
+forever. So each rank contributes the id of its oldest armed directive to a small all-reduce
+(minimum and maximum together) on a gloo group of its own, launched asynchronously at each
+window boundary and read at the next one: a boundary later every rank reads the same answer
+and acts, or not, together. No device is involved and the training thread never waits on the
+network. A rank that first sees a directive after its step has passed answers ``missed``
+and does not arm it; the service then replaces it with a later one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("runhealth.collectors.directives")
+
+IMMEDIATE = "dump_stacks"
+STEP_ALIGNED = ("rollback", "canary")
+
+
+@dataclass(frozen=True)
+class DirectiveConfig:
+    """``poll_interval_s`` 2: the service places a directive's step at least twice this (and
+    the sender's delay) ahead of the newest step it saw, so every rank has polled in time."""
+
+    poll_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0:
+            raise ValueError("DirectiveConfig.poll_interval_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Directive:
+    id: int
+    kind: str
+    act_at_step: int | None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Directive:
+        return cls(
+            int(item["id"]), str(item["kind"]), item.get("act_at_step"), dict(item.get("payload") or {})
+        )
+
+
+class Armory:
+    """Directives this rank knows of. The sender thread writes, the training thread reads:
+    each side replaces whole values under a lock held for a few assignments."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[int, Directive] = {}
+        self._known: dict[int, Directive] = {}
+        self._local: list[Directive] = []
+        self._handled: set[int] = set()
+
+    def update(
+        self, pending: list[Directive], step: int, answer: Callable[[Directive, str, int], None]
+    ) -> None:
+        """The service's pending list, polled: arm what is new and still ahead, answer
+        ``missed`` for what is already behind, disarm what the service withdrew."""
+        with self._lock:
+            handled = set(self._handled)
+        armed: dict[int, Directive] = {}
+        local: list[Directive] = []
+        for directive in pending:
+            if directive.id in handled or directive.kind == IMMEDIATE:
+                continue
+            if directive.act_at_step is None:
+                local.append(directive)  # this rank alone, at its next boundary (a re-run)
+            elif directive.act_at_step < step:
+                self.handled(directive.id)
+                answer(directive, "missed", step)
+            else:
+                armed[directive.id] = directive
+        with self._lock:
+            self._armed = armed
+            self._known.update(armed)
+            self._local = local
+
+    def handled(self, directive_id: int) -> None:
+        with self._lock:
+            self._handled.add(directive_id)
+            self._armed.pop(directive_id, None)
+            self._local = [d for d in self._local if d.id != directive_id]
+
+    def oldest_armed(self) -> int:
+        with self._lock:
+            return min(self._armed, default=0)
+
+    def known(self, directive_id: int) -> Directive | None:
+        """A directive this rank armed at some point, even if since withdrawn: once every rank
+        agreed on it, each acts on it, whatever a later poll said."""
+        with self._lock:
+            return self._known.get(directive_id)
+
+    def first_time(self, directive_id: int) -> bool:
+        """True the first time an immediate directive is seen (then it counts as handled)."""
+        with self._lock:
+            if directive_id in self._handled:
+                return False
+            self._handled.add(directive_id)
+            return True
+
+    def take_local(self) -> Directive | None:
+        with self._lock:
+            if not self._local:
+                return None
+            directive = self._local.pop(0)
+            self._handled.add(directive.id)
+            return directive
+
+
+class Consensus:
+    """Which directive every rank has armed, agreed one boundary late (see the module doc)."""
+
+    def __init__(self, torch: Any, group: Any, world_size: int) -> None:
+        self._torch = torch
+        self._group = group
+        self._solo = world_size <= 1 or group is None
+        self._work: Any = None
+        self._buffer: Any = None
+
+    @classmethod
+    def create(cls, torch: Any) -> Consensus:
+        """At attach (every rank calls it): a gloo group of its own, so the agreement never
+        touches the trainer's device or its NCCL communicators."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+            return cls(torch, None, 1)
+        return cls(torch, dist.new_group(backend="gloo"), dist.get_world_size())
+
+    def exchange(self, oldest_armed: int) -> int:
+        """Read the agreement launched at the previous boundary (0: none) and launch the next."""
+        if self._solo:
+            return oldest_armed
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()  # a 16-byte gloo all-reduce launched a whole window ago
+            low, negated_high = (int(v) for v in self._buffer.tolist())
+            agreed = low if low > 0 and low == -negated_high else 0
+        dist = self._torch.distributed
+        self._buffer = self._torch.tensor([oldest_armed, -oldest_armed], dtype=self._torch.int64)
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        return agreed
+
+    def close(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
