@@ -91,7 +91,8 @@ def run_overview() -> Dashboard:
                 "stat",
                 width=5,
                 height=4,
-                description="Recovery proposals waiting for an operator: runhealth proposals; runhealth approve ID.",
+                description="Recovery proposals waiting for an operator: runhealth proposals; "
+                "runhealth approve ID.",
             ),
             Panel(
                 "Newest resumable checkpoint",
@@ -229,7 +230,8 @@ def fleet() -> Dashboard:
                 "ECC errors",
                 (
                     q(
-                        f"sum by (node, device, type) (rate({n.DEVICE_ECC_ERRORS.name}{{{RUN_NODE}}}[{WINDOW}]))",
+                        "sum by (node, device, type) "
+                        f"(rate({n.DEVICE_ECC_ERRORS.name}{{{RUN_NODE}}}[{WINDOW}]))",
                         "{{node}} {{device}} {{type}}",
                     ),
                 ),
@@ -262,7 +264,8 @@ def fleet() -> Dashboard:
                 "InfiniBand/RoCE port errors",
                 (
                     q(
-                        f"sum by (node, hca, port, counter) (rate({n.LINK_ERRORS.name}{{{RUN_NODE}}}[{WINDOW}]))",
+                        "sum by (node, hca, port, counter) "
+                        f"(rate({n.LINK_ERRORS.name}{{{RUN_NODE}}}[{WINDOW}]))",
                         "{{node}} {{hca}}/{{port}} {{counter}}",
                     ),
                 ),
@@ -280,14 +283,23 @@ def fleet() -> Dashboard:
             ),
             Panel(
                 "Canary results",
-                (q(f"sum by (result) ({n.CANARY_DEVICES.name}{{{RUN}}})", "{{result}}"),),
-                description="Devices by their newest canary result (unchecked: no canary has run on it).",
+                (q(f"sum by (result) ({n.CANARY_RANKS.name}{{{RUN}}})", "{{result}}"),),
+                description="Ranks by their newest canary verdict (unchecked: no canary has run there yet).",
             ),
             Panel(
-                "Device, link and straggler incidents",
+                "Devices whose newest canary missed",
+                (q(f"{n.CANARY_MISMATCH.name}{{{RUN_NODE}}} * 1000", instant=True),),
+                "table",
+                unit="dateTimeAsIso",
+                description="Silent data corruption suspects: the canary's output differed from the stack's "
+                "reference. runhealth incidents --kind canary shows whether the re-run confirmed it.",
+            ),
+            Panel(
+                "Device, link, canary and straggler incidents",
                 (
                     q(
-                        f'sum by (kind, severity) ({n.INCIDENTS_OPEN.name}{{{RUN}, kind=~"device|link|straggler"}})',
+                        f"sum by (kind, severity) ({n.INCIDENTS_OPEN.name}"
+                        f'{{{RUN}, kind=~"device|link|canary|straggler"}})',
                         "{{kind}} ({{severity}})",
                     ),
                 ),

@@ -20,8 +20,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from monitor import audit, checkpoints, directives, models
 from monitor.actions import ActionConfig, quarantine
-from monitor.incidents import close_incident
 from monitor.evidence import incident_evidence
+from monitor.incidents import close_incident
 from policies.diagnosis import Verdict, diagnose
 from policies.proposals import IncidentFacts, Proposal, ProposalConfig, act_at_step, propose
 from policies.retries import RetryConfig, Rollback, may_roll_back

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from monitor import queries
-from monitor.config import ServiceConfig
 from monitor.canaries import CanaryWatch
+from monitor.config import ServiceConfig
 from monitor.decisions import Decisions
 from monitor.engine import PolicyEngine
 from monitor.fleet import FleetWatch

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from monitor import models
 from monitor.api import create_app
 from monitor.config import ConfigError, ServiceConfig
-from monitor.metrics import CanaryResult, MetricsConfig, RunHealthCollector, names
+from monitor.metrics import CanaryVerdict, MetricsConfig, RunHealthCollector, names
 from monitor.metrics.state import top_stragglers
 from monitor.schemas import BatchIn
 from monitor.service import Service
@@ -222,13 +222,20 @@ def test_ingest_counters_come_from_the_service(trained: Service, run: RunHandle)
     assert sample(registry, names.RECORDS_INGESTED, run=run.name) == stored
 
 
+@pytest.mark.parametrize("finished", [False, True])
 def test_a_run_silent_for_longer_than_the_retention_is_not_exported(
-    watched: Service, store: Engine, clock: Clock
+    watched: Service, store: Engine, clock: Clock, finished: bool
 ) -> None:
     old = make_run(store, "old-run")
     with store.begin() as connection:
         connection.execute(sa.update(models.Run).where(models.Run.id == old.id).values(created_at=T0 - 10))
-    post(watched, old, [window(1, 0, ranks=1)])
+    records = [
+        {"kind": "run_start", "incarnation": INCARNATION, "time": T0, "world_size": 1},
+        window(1, 0, ranks=1),
+    ]
+    if finished:
+        records.append({"kind": "run_finish", "incarnation": INCARNATION, "time": T0 + 2})
+    post(watched, old, [*records, heartbeat(0, T0 + 1)])
     assert sample(fresh_registry(watched), names.RUN_STEP, run="old-run") == 1
     clock.now = T0 + MetricsConfig.run_retention_s + 100
     assert sample(fresh_registry(watched), names.RUN_STEP, run="old-run") is None
@@ -346,7 +353,7 @@ def test_device_and_link_series_can_be_turned_off(trained: Service, run: RunHand
     trained.config = replace(trained.config, metrics=quiet)  # read at every scrape
     exported = {f.name for f in fresh_registry(trained).collect() if f.samples}
     assert not any(name.startswith(("runhealth_device_", "runhealth_link_")) for name in exported)
-    assert "runhealth_canary_devices" in exported  # devices are still counted for the canaries
+    assert "runhealth_canary_ranks" in exported
 
 
 def test_a_large_run_exports_its_device_and_port_counters_per_node(trained: Service, run: RunHandle) -> None:
@@ -402,25 +409,62 @@ def test_top_stragglers_are_the_policys_highest_scores(seed: int) -> None:
     assert [s.ratio for s in found] == pytest.approx([s.ratio for s in expected])
 
 
-def test_canary_results_per_run_and_device(trained: Service, run: RunHandle) -> None:
-    trained.metric_sources.canary_results = lambda _connection: [
-        CanaryResult(run.id, "node-0", "GPU-0", matches=5, mismatches=0, last_matched=True),
-        CanaryResult(run.id, "node-1", "GPU-2", matches=4, mismatches=1, last_matched=False),
+def add_canary(store: Engine, run: RunHandle, rank: int, step: int, verdict: str | None) -> None:
+    """A canary result as monitor.canaries leaves it once judged (``verdict`` None: not yet)."""
+    row = {
+        "run_id": run.id,
+        "incarnation": INCARNATION,
+        "rank": rank,
+        "step": step,
+        "node": f"node-{rank // 2}",
+        "device_uuid": f"GPU-{rank}",
+        "stack_key": "cpu-stack",
+        "stack": {},
+        "kernels": {},
+        "seconds": 0.1,
+        "over_budget": False,
+        "time": T0 + step,
+        "received_at": T0 + step,
+        "content_hash": f"{rank}-{step}",
+        "judged": verdict is not None,
+        "verdict": verdict,
+    }
+    with store.begin() as connection:
+        connection.execute(sa.insert(models.CanaryResult), row)
+
+
+def test_canary_verdicts_per_run_and_the_devices_that_missed(
+    trained: Service, store: Engine, run: RunHandle
+) -> None:
+    for rank in range(4):
+        add_canary(store, run, rank, 10, "ok")
+    for rank in range(3):
+        add_canary(store, run, rank, 20, "ok")
+    add_canary(store, run, 3, 20, "rerun")
+    add_canary(store, run, 3, 21, "mismatch")  # its re-run missed again
+    add_canary(store, run, 0, 30, None)  # a round still open: not judged yet
+    registry = fresh_registry(trained)
+    results = ("match", "mismatch", "rerun", "unchecked")
+    counts = {r: sample(registry, names.CANARY_RANKS, run=run.name, result=r) for r in results}
+    assert counts == {"match": 3, "mismatch": 1, "rerun": 0, "unchecked": 0}
+    device = {"run": run.name, "node": "node-1", "device": "GPU-3"}
+    assert registry.get_sample_value(names.CANARY_MISMATCH.name, device) == T0 + 21
+    assert registry.get_sample_value(names.CANARY_MISMATCH.name, {**device, "device": "GPU-2"}) is None
+
+
+def test_before_any_canary_every_rank_is_unchecked(trained: Service, run: RunHandle) -> None:
+    registry = fresh_registry(trained)
+    assert sample(registry, names.CANARY_RANKS, run=run.name, result="unchecked") == 4
+    assert sample(registry, names.CANARY_RANKS, run=run.name, result="mismatch") == 0
+
+
+def test_another_component_can_feed_the_canary_verdicts(trained: Service, run: RunHandle) -> None:
+    trained.metric_sources.canary_verdicts = lambda _connection, _ranks: [
+        CanaryVerdict(run.id, 2, "node-1", "GPU-2", "rerun", T0)
     ]
     registry = fresh_registry(trained)
-    counts = {
-        r: sample(registry, names.CANARY_DEVICES, run=run.name, result=r)
-        for r in ("match", "mismatch", "unchecked")
-    }
-    assert counts == {"match": 1, "mismatch": 1, "unchecked": 2}
-    gpu = {"run": run.name, "node": "node-1", "device": "GPU-2"}
-    assert registry.get_sample_value(names.CANARY_CHECKS.name, {**gpu, "result": "mismatch"}) == 1
-
-
-def test_before_canaries_every_device_is_unchecked(trained: Service, run: RunHandle) -> None:
-    registry = fresh_registry(trained)
-    assert sample(registry, names.CANARY_DEVICES, run=run.name, result="unchecked") == 4
-    assert sample(registry, names.CANARY_DEVICES, run=run.name, result="mismatch") == 0
+    assert sample(registry, names.CANARY_RANKS, run=run.name, result="rerun") == 1
+    assert sample(registry, names.CANARY_RANKS, run=run.name, result="unchecked") == 3
 
 
 # --- the endpoint, the cost, the names --------------------------------------------------------------------
@@ -468,12 +512,12 @@ def scrape_statements(service: Service) -> list[str]:
 
 
 def test_series_count_of_a_4_rank_run_follows_the_formula(trained: Service, run: RunHandle) -> None:
-    """24 per run + min(k, N) stragglers + 13 per device (5 clock reasons offered by the device,
+    """25 per run + min(k, N) stragglers + 13 per device (5 clock reasons offered by the device,
     2 ECC types, 4 NVLink types, PCIe, remap) + 5 per port + open incidents; here the devices
     report 2 clock reasons and 2 NVLink types, so 8 per device, and each port 3 error counters."""
     families = list(fresh_registry(trained).collect())
     count = sum(len(f.samples) for f in families)
-    per_run, stragglers, devices, ports = 24, 4, 4 * (2 + 2 + 2 + 1 + 1), 2 * (3 + 1)
+    per_run, stragglers, devices, ports = 25, 4, 4 * (2 + 2 + 2 + 1 + 1), 2 * (3 + 1)
     incidents = sum(len(f.samples) for f in families if f.name.startswith("runhealth_incident"))
     assert count == per_run + stragglers + devices + ports + incidents
 

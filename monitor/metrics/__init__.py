@@ -2,13 +2,13 @@
 
 - ``names``: every series, its type, labels and help (dashboards and rules are built from it).
 - ``config``: ``MetricsConfig`` (bounds on a scrape); ``sources``: ``MetricSources`` (data
-  other components own: pending proposals, canary results).
+  other components own: pending proposals, canary verdicts).
 - ``reads``: the store queries; ``state``: the service's in-memory readings;
   ``families``: snapshot -> metric families; ``exporter``: the collector and its registry.
 """
 
 from monitor.metrics.config import MetricsConfig
 from monitor.metrics.exporter import RunHealthCollector, metrics_registry
-from monitor.metrics.sources import CanaryResult, MetricSources
+from monitor.metrics.sources import CanaryVerdict, MetricSources
 
-__all__ = ["CanaryResult", "MetricSources", "MetricsConfig", "RunHealthCollector", "metrics_registry"]
+__all__ = ["CanaryVerdict", "MetricSources", "MetricsConfig", "RunHealthCollector", "metrics_registry"]

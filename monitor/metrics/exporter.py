@@ -54,7 +54,7 @@ class RunHealthCollector(Collector):
             runs = reads.read_runs(connection, now, config.recent_windows, silence_s, config.run_retention_s)
             incidents = reads.read_open_incidents(connection, [run.id for run in runs])
             proposals = service.metric_sources.pending_proposals(connection)
-            canaries = service.metric_sources.canary_results(connection)
+            canaries = service.metric_sources.canary_verdicts(connection, {r.id: r.ranks or 0 for r in runs})
             stragglers = self._stragglers(connection, runs)
         name_of = {run.id: run.name for run in runs}
         devices = [(name_of[i], r) for i, r in state.device_readings(service.fleet) if i in name_of]
@@ -65,7 +65,7 @@ class RunHealthCollector(Collector):
         yield from ingest_families(runs, service.counter_snapshot())
         yield from incident_families(runs, incidents, proposals, config.open_incidents_per_run)
         yield from straggler_family(stragglers)
-        yield from canary_families(runs, devices, canaries)
+        yield from canary_families(runs, canaries)
         yield from device_families(
             [(run, r) for run, r in devices if device_grain[run] != "off"],
             {run for run, grain in device_grain.items() if grain == "node"},

@@ -1,7 +1,7 @@
 """Metric families from one scrape's snapshot: plain data in, prometheus-client families out.
 
-Nothing here reads the store or the service; ``exporter.RunHealthCollector`` gathers the
-snapshot and these functions only shape it, so each is tested on hand-built values.
+Nothing here reads the store or the service: ``exporter.RunHealthCollector`` gathers the
+snapshot, and these functions only shape it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric as Family
 
 from monitor.metrics import names
 from monitor.metrics.reads import OpenIncident, RunState
-from monitor.metrics.sources import CanaryResult
+from monitor.metrics.sources import CanaryVerdict
 from policies.devices import DeviceReading, LinkReading
 from policies.stragglers import StragglerScore
 
@@ -194,29 +194,25 @@ def straggler_family(stragglers: Iterable[RankedStraggler]) -> Iterator[Family]:
     yield built
 
 
-def canary_families(
-    runs: Sequence[RunState],
-    devices: Iterable[tuple[str, DeviceReading]],
-    results: Sequence[CanaryResult],
-) -> Iterator[Family]:
-    """Devices by their newest canary verdict, per run (a device seen but never checked is
-    "unchecked", so the series exist before the first canary), and per-device counts."""
+def canary_families(runs: Sequence[RunState], verdicts: Sequence[CanaryVerdict]) -> Iterator[Family]:
+    """Ranks by their newest canary verdict, per run (a rank with none is "unchecked", so the
+    series exist before the first canary), and the devices whose newest canary missed."""
     name_of = {run.id: run.name for run in runs}
-    verdicts: dict[tuple[str, str, str], str] = {
-        (run, reading.node, reading.device): "unchecked" for run, reading in devices
-    }
-    checks = family(names.CANARY_CHECKS)
-    for result in results:
-        run = name_of.get(result.run_id)
+    tally: Counter[tuple[int, str]] = Counter()
+    mismatched = family(names.CANARY_MISMATCH)
+    for verdict in verdicts:
+        run = name_of.get(verdict.run_id)
         if run is None:
             continue
-        where = [run, result.node, result.device]
-        verdicts[(run, result.node, result.device)] = "match" if result.last_matched else "mismatch"
-        checks.add_metric([*where, "match"], float(result.matches))
-        checks.add_metric([*where, "mismatch"], float(result.mismatches))
-    tally = Counter((run, verdict) for (run, _node, _device), verdict in verdicts.items())
-    by_result = family(names.CANARY_DEVICES)
+        tally[(verdict.run_id, verdict.result)] += 1
+        if verdict.result == "mismatch":
+            mismatched.add_metric([run, verdict.node, verdict.device], verdict.time)
+    by_result = family(names.CANARY_RANKS)
     for run_state in runs:
-        for verdict in ("match", "mismatch", "unchecked"):
-            by_result.add_metric([run_state.name, verdict], float(tally[(run_state.name, verdict)]))
-    yield from (by_result, checks)
+        checked = 0
+        for result in ("match", "mismatch", "rerun"):
+            count = tally[(run_state.id, result)]
+            checked += count
+            by_result.add_metric([run_state.name, result], float(count))
+        by_result.add_metric([run_state.name, "unchecked"], float(max(0, (run_state.ranks or 0) - checked)))
+    yield from (by_result, mismatched)

@@ -167,7 +167,8 @@ DEVICE_ROW_REMAP_PENDING = Metric(
     "runhealth_device_row_remap_pending",
     "gauge",
     DEVICE,
-    "1 while a row remap waits for a GPU reset (an uncorrectable error's row is still in use).",
+    "Devices with a row remap waiting for a GPU reset (an uncorrectable error's row still in use): "
+    "1 or 0 per device, a count where the series are per node.",
 )
 LINK_ERRORS = Metric(
     "runhealth_link_errors_total",
@@ -175,24 +176,30 @@ LINK_ERRORS = Metric(
     (*PORT, "counter"),
     "InfiniBand/RoCE port error counters: symbol_error, link_downed, link_error_recovery, port_rcv_errors.",
 )
-LINK_ACTIVE = Metric("runhealth_link_active", "gauge", PORT, "1 when the port's state is ACTIVE, else 0.")
+LINK_ACTIVE = Metric(
+    "runhealth_link_active",
+    "gauge",
+    PORT,
+    "Ports whose state is ACTIVE: 1 or 0 per port, a count where the series are per node.",
+)
 STRAGGLER_SLOWDOWN = Metric(
     "runhealth_straggler_slowdown_ratio",
     "gauge",
     ("run", "rank", "node", "phase"),
     "The slowest ranks only (top k): smoothed time of the rank's worst phase over its peers' median.",
 )
-CANARY_DEVICES = Metric(
-    "runhealth_canary_devices",
+CANARY_RANKS = Metric(
+    "runhealth_canary_ranks",
     "gauge",
     ("run", "result"),
-    "Devices by their newest canary result: match, mismatch, or unchecked (no canary yet).",
+    "Ranks (devices) by their newest canary verdict: match, mismatch, rerun (a miss being re-run) "
+    "or unchecked (no canary yet).",
 )
-CANARY_CHECKS = Metric(
-    "runhealth_canary_checks_total",
-    "counter",
-    (*DEVICE, "result"),
-    "Canary runs per device: match or mismatch against its stack's peers.",
+CANARY_MISMATCH = Metric(
+    "runhealth_canary_mismatch_timestamp_seconds",
+    "gauge",
+    DEVICE,
+    "Devices whose newest canary missed their stack's reference (only those): when it ran.",
 )
 
 ALL: tuple[Metric, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Metric))

@@ -36,7 +36,6 @@ class RunState:
     id: int
     name: str
     incarnation: str | None
-    last_activity: float
     step: int | None = None
     loss: float | None = None
     grad_norm: float | None = None
@@ -70,8 +69,10 @@ def read_runs(
     """Every run with a record (or created) within ``retention_s`` of ``now``."""
     found = []
     for run_id, name, created_at in connection.execute(sa.select(RUN.c.id, RUN.c.name, RUN.c.created_at)):
-        state = _read_run(connection, run_id, name, created_at, now, recent_windows, silence_s)
-        if state.last_activity >= now - retention_s:
+        state = _read_run(
+            connection, run_id, name, created_at, now, recent_windows, silence_s, now - retention_s
+        )
+        if state is not None:
             found.append(state)
     return found
 
@@ -84,12 +85,25 @@ def _read_run(
     now: float,
     recent_windows: int,
     silence_s: float,
-) -> RunState:
+    cutoff: float,
+) -> RunState | None:
+    """The run, or None when nothing of it is newer than ``cutoff``: a run that finished before
+    it costs three index lookups, not its heartbeats and checkpoints."""
     recent = _recent_judged(connection, run_id, recent_windows)
     newest = _newest_window(connection, run_id, recent[0] if recent else None)
     incarnation = _current_incarnation(connection, run_id)
+    finished_at = incarnation["finished_at"] if incarnation else None
+    started_at = incarnation["started_at"] if incarnation else None
+    window_time = newest["last_time"] if newest else None
+    if finished_at is not None and _newest_of(created_at, finished_at, started_at, window_time) < cutoff:
+        return None
     current = incarnation["incarnation"] if incarnation else (newest["incarnation"] if newest else None)
     values: dict[str, Any] = {}
+    if current is not None:
+        values.update(_heartbeats(connection, run_id, current, now, silence_s))
+    last_record = _newest_of(window_time, values.get("last_heartbeat"), started_at)
+    if _newest_of(last_record, finished_at, created_at) < cutoff:
+        return None
     if recent:
         point = point_from_summary(recent[0], restart=False)
         values.update(loss=point.loss, grad_norm=point.grad_norm, lr=point.lr, loss_scale=point.loss_scale)
@@ -98,23 +112,23 @@ def _read_run(
         values["step"] = newest["step"]
         values["ranks"] = newest["ranks_reported"]
     if current is not None:
-        values.update(_heartbeats(connection, run_id, current, now, silence_s))
         values["skipped_updates"] = _skipped_updates(connection, run_id, current)
     if incarnation is not None:
-        values["finished"] = incarnation["finished_at"] is not None
+        values["finished"] = finished_at is not None
         values["ranks"] = incarnation["world_size"] or values.get("ranks")
     values.update(_checkpoint(connection, run_id))
-    moments = [
-        newest["last_time"] if newest else None,
-        values.get("last_heartbeat"),
-        incarnation["started_at"] if incarnation else None,
-    ]
-    last_record = max((m for m in moments if m is not None and math.isfinite(m)), default=None)
-    finished_at = incarnation["finished_at"] if incarnation else None
-    activity = max(m for m in (last_record, finished_at, created_at) if m is not None)
     return RunState(
-        id=run_id, name=name, incarnation=current, last_activity=activity, last_record=last_record, **values
+        id=run_id,
+        name=name,
+        incarnation=current,
+        last_record=None if last_record == -math.inf else last_record,
+        **values,
     )
+
+
+def _newest_of(*moments: float | None) -> float:
+    """The latest of the finite moments given; -inf when there is none."""
+    return max((m for m in moments if m is not None and math.isfinite(m)), default=-math.inf)
 
 
 def _recent_judged(connection: Connection, run_id: int, limit: int) -> list[dict[str, Any]]:
