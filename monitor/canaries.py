@@ -81,14 +81,26 @@ class CanaryWatch:
         touched: list[int] = []
         flagged: list[int] = []
         with self._lock, self._engine.begin() as connection:
-            rounds: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-            for row in connection.execute(
-                sa.select(RESULT).where(RESULT.c.run_id == run_id, RESULT.c.judged.is_(False))
-            ).mappings():
-                rounds[(row["incarnation"], row["step"])].append(dict(row))
-            for (incarnation, _step), rows in sorted(rounds.items(), key=lambda kv: kv[0][1]):
+            self._attach_reruns(connection, run_id)
+            pending = connection.execute(
+                sa.select(RESULT.c.incarnation, RESULT.c.step)
+                .where(RESULT.c.run_id == run_id, RESULT.c.judged.is_(False))
+                .distinct()
+            ).all()
+            for incarnation, step in sorted(pending, key=lambda key: key[1]):
+                rows = [
+                    dict(row)
+                    for row in connection.execute(
+                        sa.select(RESULT).where(
+                            RESULT.c.run_id == run_id,
+                            RESULT.c.incarnation == incarnation,
+                            RESULT.c.step == step,
+                        )
+                    ).mappings()
+                ]
                 world = self._world(connection, run_id, incarnation)
-                waited = now - min(r["received_at"] for r in rows) >= self._config.round_wait_s
+                unjudged = [r for r in rows if not r["judged"]]
+                waited = now - min(r["received_at"] for r in unjudged) >= self._config.round_wait_s
                 if len({r["rank"] for r in rows}) < world and not (force or waited):
                     continue
                 round_touched, round_flagged = self._judge_round(connection, run_id, rows, now)
@@ -97,6 +109,32 @@ class CanaryWatch:
         if flagged:
             self._on_hardware(run_id, flagged)
         return touched
+
+    def _attach_reruns(self, connection: Connection, run_id: int) -> None:
+        """A targeted re-run answers for its original result: its kernels become that result's
+        ``rerun`` and the original is judged again, against the golden or its own round."""
+        reruns = connection.execute(
+            sa.select(RESULT.c.id, RESULT.c.rank, RESULT.c.kernels, DIRECTIVE.c.payload)
+            .join(DIRECTIVE, DIRECTIVE.c.id == RESULT.c.directive_id)
+            .where(RESULT.c.run_id == run_id, RESULT.c.judged.is_(False))
+        ).all()
+        for rerun in reruns:
+            original = (rerun.payload or {}).get("rerun_of")
+            if not original:
+                continue
+            connection.execute(
+                RESULT.update()
+                .where(
+                    RESULT.c.run_id == run_id,
+                    RESULT.c.incarnation == original["incarnation"],
+                    RESULT.c.step == original["step"],
+                    RESULT.c.rank == rerun.rank,
+                )
+                .values(rerun=rerun.kernels, judged=False, verdict=None)
+            )
+            connection.execute(
+                RESULT.update().where(RESULT.c.id == rerun.id).values(judged=True, verdict="rerun_result")
+            )
 
     def judge_waiting(self) -> list[int]:
         """Rounds of every run that waited long enough for missing ranks."""
@@ -134,6 +172,13 @@ class CanaryWatch:
         ]
         golden = self._golden(connection, {r.stack for r in results})
         verdict = compare_round(results, golden, self._config.comparison)
+        # Judged ranks took part as references; only the others get verdicts now.
+        unjudged = {r["rank"] for r in rows if not r["judged"]}
+        verdict = replace(
+            verdict,
+            findings=tuple(f for f in verdict.findings if f.rank in unjudged),
+            rerun_wanted=tuple(r for r in verdict.rerun_wanted if r in unjudged),
+        )
         self._keep_golden(connection, verdict.new_golden, results, run_id, now)
         findings = [
             replace(
@@ -156,10 +201,13 @@ class CanaryWatch:
                 payload={
                     "golden": self.golden_payload(connection, run_id),
                     "reason": "re-run after a mismatch",
+                    "rerun_of": {"incarnation": rows[0]["incarnation"], "step": rows[0]["step"]},
                 },
             )
         flagged_ranks = {f.rank for f in verdict.findings}
         for row in rows:
+            if row["rank"] not in unjudged:
+                continue  # a reference here, judged in its own time
             verdict_of = (
                 "mismatch"
                 if row["rank"] in flagged_ranks

@@ -86,8 +86,25 @@ class Decisions:
         return created
 
     def repropose(self, connection: Connection, run_id: int, incident_id: int, actor: str) -> int | None:
-        """New evidence (a replay verdict): supersede a pending proposal with a fresh one."""
+        """New evidence (a replay verdict, a canary): supersede a pending proposal with a fresh
+        one, when the evidence changes the diagnosis."""
         now = self._clock()
+        incident = (
+            connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == incident_id)).mappings().first()
+        )
+        live = (
+            connection.execute(
+                sa.select(PROPOSAL.c.verdict).where(
+                    PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(("pending", "escalated"))
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if incident is not None and live:
+            verdict = diagnose(incident_evidence(connection, incident)).verdict.value
+            if all(v == verdict for v in live):
+                return None  # nothing new to decide on
         stale = (
             connection.execute(
                 PROPOSAL.update()
@@ -448,7 +465,10 @@ class Decisions:
                     "detail": row["detail"],
                 },
             )
-        if directive["status"] != "pending" or directive["kind"] != "rollback":
+        if directive["status"] != "pending":
+            return
+        if directive["kind"] != "rollback":
+            self._settle_simple(connection, run_id, directive)
             return
         acks = connection.execute(
             sa.select(ACK.c.rank, ACK.c.status, ACK.c.step).where(ACK.c.directive_id == directive_id)
@@ -460,6 +480,20 @@ class Decisions:
             self._finish(connection, directive, proposal_id, "failed", now)
         elif len({a.rank for a in acks}) >= self._world(connection, run_id, acks):
             self._finish(connection, directive, proposal_id, "done", now)
+
+    def _settle_simple(self, connection: Connection, run_id: int, directive: Any) -> None:
+        """A directive without a workflow behind it (stack dumps, canaries) is done once every
+        rank it named (or every rank) answered."""
+        answered = set(
+            connection.execute(sa.select(ACK.c.rank).where(ACK.c.directive_id == directive["id"])).scalars()
+        )
+        wanted = (
+            set(directive["ranks"]) if directive["ranks"] else set(range(self._world(connection, run_id, [])))
+        )
+        if wanted and wanted <= answered:
+            connection.execute(
+                DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status="done")
+            )
 
     def _world(self, connection: Connection, run_id: int, acks: Sequence[Any]) -> int:
         world = connection.execute(

@@ -27,41 +27,41 @@ def incident_evidence(connection: Connection, incident: Any) -> Evidence:
     blamed = _canary_blamed(connection, incident)
     if blamed is None:
         return evidence
-    device, node, reason = blamed
+    device, node, _why = blamed
     return replace(
         evidence, canary_mismatch=True, suspect_device=device, suspect_node=node, suspect_batches=()
     )
 
 
-def _canary_blamed(connection: Connection, incident: Any) -> tuple[str, str | None, str] | None:
-    """A device of this incident (its own device for a canary incident; the devices of its
-    ranks otherwise) whose canary missed persistently, or transiently more than once."""
-    devices = set(incident["devices"] or [])
+def _canary_blamed(connection: Connection, incident: Any) -> tuple[str | None, str | None, str] | None:
+    """A device of this incident (its own for a canary incident; its ranks' devices otherwise)
+    whose canary missed persistently, or transiently more than once. Where ranks have no
+    device identity (the CPU), the node stands for it."""
+    places = {(device, None) for device in incident["devices"] or []}
+    places |= {(None, node) for node in incident["nodes"] or []} if not places else set()
     if incident["kind"] != "canary" and incident["ranks"]:
-        devices |= set(
-            connection.execute(
-                sa.select(STEP.c.device_uuid)
-                .where(
-                    STEP.c.run_id == incident["run_id"],
-                    STEP.c.incarnation == incident["incarnation"],
-                    STEP.c.rank.in_(incident["ranks"]),
-                    STEP.c.device_uuid.is_not(None),
-                )
-                .distinct()
-            ).scalars()
-        )
-    if not devices:
+        rows = connection.execute(
+            sa.select(STEP.c.device_uuid, STEP.c.node)
+            .where(
+                STEP.c.run_id == incident["run_id"],
+                STEP.c.incarnation == incident["incarnation"],
+                STEP.c.rank.in_(incident["ranks"]),
+            )
+            .distinct()
+        ).all()
+        places |= {(r.device_uuid, None if r.device_uuid else r.node) for r in rows}
+    if not places:
         return None
-    rows = connection.execute(
+    findings = connection.execute(
         sa.select(FINDING.c.device, FINDING.c.node, FINDING.c.evidence).where(
-            FINDING.c.run_id == incident["run_id"],
-            FINDING.c.kind == "canary_mismatch",
-            FINDING.c.device.in_(devices),
+            FINDING.c.run_id == incident["run_id"], FINDING.c.kind == "canary_mismatch"
         )
     ).all()
-    for device in sorted(devices):
-        mine = [r for r in rows if r.device == device]
-        persistent = [r for r in mine if (r.evidence or {}).get("persistent")]
+    for device, node in sorted(places, key=str):
+        mine = [
+            f for f in findings if (f.device == device if device else (f.device is None and f.node == node))
+        ]
+        persistent = [f for f in mine if (f.evidence or {}).get("persistent")]
         if persistent or len(mine) >= TRANSIENT_MISMATCHES_FOR_BLAME:
             why = "persistent" if persistent else f"{len(mine)} transient"
             return device, mine[0].node, why

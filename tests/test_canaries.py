@@ -178,3 +178,24 @@ def test_the_schedule_is_kept_in_the_store_and_budgeted(store: Engine, run: RunH
             sa.select(models.Directive.act_at_step).where(models.Directive.id == first)
         ).scalar_one()
     assert directive is not None and directive > 29
+
+
+def test_a_targeted_re_run_answers_for_the_original_result(service: Service, store: Engine, run: RunHandle) -> None:
+    start(service, run)
+    post(service, run, windows(range(1, 6)))
+    post(service, run, round_records(5, None, {}))  # golden established
+    golden = {k: v.fingerprint for k, v in run_suite(CPU, SMALL).kernels.items()}
+    post(service, run, windows(range(6, 11)))
+    bad = corrupting(random.Random(4))
+    records = round_records(10, None, {1: bad})  # no golden known to the hooks: no immediate re-run
+    post(service, run, records)
+    with store.connect() as connection:
+        (directive_id,) = connection.execute(
+            sa.select(models.Directive.id).where(models.Directive.kind == "canary")
+        ).scalars().all()
+    outcome = run_canary(CPU, SMALL, golden=golden, faults=bad)
+    post(service, run, [{"kind": "canary_result", "incarnation": INCARNATION, "rank": 1, "step": 12, "time": 12.0,
+                         "node": "node-1", "device_uuid": "CPU-1", "directive_id": directive_id,
+                         **outcome.as_wire()}])
+    (incident,) = incidents(store, run)
+    assert (incident["kind"], incident["severity"], incident["devices"]) == ("canary", "critical", ["CPU-1"])

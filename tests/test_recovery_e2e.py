@@ -1,0 +1,178 @@
+"""Recovery end to end: four gloo ranks, a real service, the operator's CLI.
+
+1. A corrupted batch: spike -> proposal (the right checkpoint) -> the replay job says data ->
+   an operator approves from the CLI -> every rank stops at one step, restores, skips the
+   batch, resumes -> the continuity check passes and the incident is resolved.
+2. A fault in one rank's computation: its canary (run at checkpoints) misses persistently ->
+   hardware -> the proposal quarantines that rank's node.
+3. A fault with no reproducible cause: undetermined, nothing quarantined.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from monitor import audit, queries
+from monitor.cli import main as cli_main
+from monitor.db import create_store_engine, resolve_url
+from monitor.decisions import list_proposals
+from monitor.operators import add_operator
+from tests.collectors_support import ServeProcess, child_environ, table_rows, wait_until
+from tests.support import free_port, require_module
+
+WORLD = 4
+require_module("torch")
+pytestmark = pytest.mark.slow
+
+
+def launch(root: Path, serve: ServeProcess, run: str, token: str, *extra: str) -> list[subprocess.Popen[bytes]]:
+    (root / "results").mkdir()
+    port = str(free_port())
+    ranks = []
+    for rank in range(WORLD):
+        environ = child_environ(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1", RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token, RUNHEALTH_RUN=run,
+            RUNHEALTH_NODE=f"node-{rank}", RUNHEALTH_SPOOL_DIR=str(root / "spool"),
+        )
+        command = [sys.executable, "-m", "tests.recovery_worker", "--checkpoints", str(root / "ckpt"),
+                   "--out", str(root / "results"), *extra]
+        with open(root / f"rank-{rank}.log", "ab") as log:
+            ranks.append(subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=log))
+    return ranks
+
+
+def finish(ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 240.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank in ranks:
+            rank.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    logs = "\n".join((root / f"rank-{n}.log").read_text(errors="replace")[-3000:] for n in range(WORLD))
+    assert all(rank.returncode == 0 for rank in ranks), logs
+    return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in range(WORLD)]
+
+
+class Scenario:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.db = root / "store.db"
+        self.serve = ServeProcess(root, self.db)
+        self.serve.start()
+        self.run = "recovery"
+        self.token = self.serve.create_run(self.run)
+        self.engine = create_store_engine(resolve_url(str(self.db), {}))
+        with self.engine.begin() as connection:
+            self.operator = add_operator(connection, "oncall-alice", actor="tests", now=time.time())
+
+    def proposals(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as connection:
+            return list_proposals(connection, self.run)
+
+    def wait_proposal(self, check: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+        found: list[dict[str, Any]] = []
+
+        def ready() -> bool:
+            found[:] = [p for p in self.proposals() if check(p)]
+            return bool(found)
+
+        assert wait_until(ready, timeout_s, 0.25), f"no such proposal; have {self.proposals()}\n{self.serve.log_tail()}"
+        return found[-1]
+
+    def cli(self, *args: str) -> dict[str, Any]:
+        out = self.root / "cli.json"
+        with open(out, "w") as handle:
+            result = subprocess.run([sys.executable, "-m", "monitor", *args, "--json"], stdout=handle,
+                                    stderr=subprocess.PIPE, text=True, env=child_environ(), cwd=self.root, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return json.loads(out.read_text())
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.serve.stop()
+
+
+@pytest.fixture
+def scenario(tmp_path: Path) -> Any:
+    made = Scenario(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario: Scenario) -> None:
+    corrupt = "2:44"  # rank 2's batch 44: trained at update 45
+    replay = f"{sys.executable} -m tests.recovery_replay --corrupt {corrupt} {{spec}} {{result}}"
+    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--corrupt", corrupt,
+                   "--wait-rollback", "--replay-command", replay)
+    first = scenario.wait_proposal(lambda p: p["status"] == "pending")
+    assert first["evidence"]["incident"]["first_step"] == 45
+    assert first["target"]["step"] == 40  # the newest valid checkpoint strictly before update 45
+    replayed = scenario.cli("replay", str(first["incident"]), "--db", str(scenario.db))
+    assert replayed["verdict"] == "data", replayed
+    second = scenario.wait_proposal(lambda p: p["verdict"] == "data" and p["status"] == "pending")
+    assert second["data_action"] == "skip" and "r2-b44" in second["skip_batches"]
+    assert second["quarantine"] == {"node": None, "device": None}
+    approved = scenario.cli("approve", str(second["id"]), "--reason", "bad shard", "--url", scenario.serve.url,
+                            "--token", scenario.operator)
+    assert approved["ok"] and approved["proposal"]["decided_by"] == "oncall-alice"
+    results = finish(ranks, scenario.root)
+
+    stopped = {r["rollbacks"][0]["stopped_at"] for r in results}
+    assert len(stopped) == 1, results  # every rank stopped at the same step
+    assert all(r["rollbacks"][0]["to"] == 40 for r in results)
+    acks = table_rows(scenario.db, "directive_acks")
+    rollback_acks = [a for a in acks if a["directive_id"] == approved["proposal"]["directive"]]
+    assert sorted(a["rank"] for a in rollback_acks) == list(range(WORLD)) and {a["status"] for a in rollback_acks} == {"done"}
+    steps = table_rows(scenario.db, "step_records")
+    resumed = [s for s in steps if s["incarnation"] == results[0]["incarnation"]]
+    assert min(s["step"] for s in resumed) == 41
+    assert not any("r2-b44" in (s["sample_ids"] or "") for s in resumed)
+    with scenario.engine.connect() as connection:
+        incident = queries.get_incident(connection, second["incident"])
+        assert audit.verify(connection).ok
+    assert incident["status"] == "resolved"
+    story = [e["action"] for e in incident["story"]]
+    for action in ("incident_opened", "proposed", "replay_verdict", "approved", "directive", "acknowledged",
+                   "rollback_executed", "resume_verified", "incident_resolved"):
+        assert action in story, story
+    verdict = next(e for e in incident["story"] if e["action"] == "resume_verified")
+    assert verdict["details"]["verdict"] == "passed"
+
+
+def test_a_faulty_device_is_found_by_its_canary_and_its_node_quarantined(scenario: Scenario) -> None:
+    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--faulty-rank", "2", "--steps", "60")
+    results = finish(ranks, scenario.root)
+    assert all(not r["rollbacks"] for r in results)
+    hardware = scenario.wait_proposal(lambda p: p["verdict"] == "hardware", timeout_s=30)
+    assert hardware["quarantine"]["node"] == "node-2"
+    canaries = table_rows(scenario.db, "canary_results")
+    assert {c["verdict"] for c in canaries if c["rank"] != 2} == {"ok"}
+    assert "mismatch" in {c["verdict"] for c in canaries if c["rank"] == 2}
+    with scenario.engine.connect() as connection:
+        kinds = {i["kind"] for i in queries.list_incidents(connection, queries.IncidentFilter(run=scenario.run))}
+    assert "canary" in kinds
+
+
+def test_a_fault_without_a_reproducible_cause_stays_undetermined_and_quarantines_nothing(scenario: Scenario) -> None:
+    replay = f"{sys.executable} -m tests.recovery_replay {{spec}} {{result}}"
+    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--transient", "1:45",
+                   "--steps", "60", "--replay-command", replay)
+    proposal = scenario.wait_proposal(lambda p: p["status"] == "pending")
+    replayed = scenario.cli("replay", str(proposal["incident"]), "--db", str(scenario.db))
+    assert replayed["verdict"] == "undetermined" and "did not reproduce" in replayed["reason"]
+    finish(ranks, scenario.root)
+    latest = scenario.proposals()[-1]
+    assert latest["verdict"] == "undetermined"
+    assert latest["quarantine"] == {"node": None, "device": None} and latest["data_action"] == "replay"
+    assert table_rows(scenario.db, "actions") == []
