@@ -25,6 +25,9 @@ CHECKPOINT = models.table_of(models.CheckpointEvent)
 VALIDATION = models.table_of(models.CheckpointValidation)
 INCIDENT = models.table_of(models.Incident)
 
+# Incident kinds whose fault can be in the weights or optimizer state from their first step on.
+STATE_AFFECTING = ("spike", "level_shift", "nonfinite", "amp", "broken_resume", "device", "canary")
+
 # Lower is better for metrics whose name says loss, perplexity or error; higher otherwise.
 LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "wer", "cer")
 
@@ -111,9 +114,14 @@ def facts(connection: Connection, run_id: int) -> tuple[tuple[CheckpointFacts, .
 def unsafe_for(
     connection: Connection, run_id: int, checkpoints: tuple[CheckpointFacts, ...]
 ) -> dict[int, str]:
+    """Only incidents that can have corrupted the model's state taint checkpoints: a straggler,
+    a hang or a link warning slows a run without changing what it computes."""
     open_rows = connection.execute(
         sa.select(INCIDENT.c.kind, INCIDENT.c.first_step).where(
-            INCIDENT.c.run_id == run_id, INCIDENT.c.status == "open", INCIDENT.c.severity != "info"
+            INCIDENT.c.run_id == run_id,
+            INCIDENT.c.status == "open",
+            INCIDENT.c.severity != "info",
+            INCIDENT.c.kind.in_(STATE_AFFECTING),
         )
     ).all()
     nonfinite = [r.first_step for r in open_rows if r.kind == "nonfinite"]

@@ -415,21 +415,23 @@ def export(
 @app.command()
 def demo(
     db: Annotated[
-        str | None,
-        typer.Option("--db", help="Store for the demo (default: a new file under ./runhealth-demo/)."),
+        str | None, typer.Option("--db", help="Store for the demo (default: ./runhealth-demo/runhealth.db).")
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
-    corrupt_step: Annotated[int, typer.Option(help="The step whose batch is corrupted.")] = 200,
+    corrupt_step: Annotated[int, typer.Option(help="The update whose batch (on rank 1) is corrupted.")] = 150,
     as_json: JsonOption = False,
 ) -> None:
-    """Train a small real model on the CPU with one corrupted batch and show what was caught."""
-    from monitor.demo import DemoConfig, run_demo
+    """Four ranks train a small model on the CPU; a bad batch and a failing device are caught,
+    diagnosed, approved from the CLI and recovered from."""
+    from monitor.demo import DemoConfig, DemoError, run_demo
 
     try:
-        config = DemoConfig(db=db, steps=steps, corrupt_step=corrupt_step)
+        config = DemoConfig(db=db, corrupt_step=corrupt_step, faulty_from=corrupt_step)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    result = run_demo(config, out, quiet=as_json)
+    try:
+        result = run_demo(config, out, quiet=as_json)
+    except DemoError as exc:
+        raise UserError(str(exc)) from exc
     if as_json:
         print_json(result)
 

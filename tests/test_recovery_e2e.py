@@ -33,24 +33,48 @@ require_module("torch")
 pytestmark = pytest.mark.slow
 
 
-def launch(root: Path, serve: ServeProcess, run: str, token: str, *extra: str) -> list[subprocess.Popen[bytes]]:
+def launch(
+    root: Path, serve: ServeProcess, run: str, token: str, *extra: str
+) -> list[subprocess.Popen[bytes]]:
     (root / "results").mkdir()
     port = str(free_port())
     ranks = []
     for rank in range(WORLD):
         environ = child_environ(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1", RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token, RUNHEALTH_RUN=run,
-            RUNHEALTH_NODE=f"node-{rank}", RUNHEALTH_SPOOL_DIR=str(root / "spool"),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+            RUNHEALTH_URL=serve.url,
+            RUNHEALTH_TOKEN=token,
+            RUNHEALTH_RUN=run,
+            RUNHEALTH_NODE=f"node-{rank}",
+            RUNHEALTH_SPOOL_DIR=str(root / "spool"),
         )
-        command = [sys.executable, "-m", "tests.recovery_worker", "--checkpoints", str(root / "ckpt"),
-                   "--out", str(root / "results"), *extra]
+        command = [
+            sys.executable,
+            "-m",
+            "monitor.demo.worker",
+            "--task",
+            "sequence",
+            "--step-sleep",
+            "0.02",
+            "--checkpoints",
+            str(root / "ckpt"),
+            "--out",
+            str(root / "results"),
+            *extra,
+        ]
         with open(root / f"rank-{rank}.log", "ab") as log:
             ranks.append(subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=log))
     return ranks
 
 
-def finish(ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 240.0) -> list[dict[str, Any]]:
+def finish(
+    ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 240.0
+) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     try:
         for rank in ranks:
@@ -87,14 +111,23 @@ class Scenario:
             found[:] = [p for p in self.proposals() if check(p)]
             return bool(found)
 
-        assert wait_until(ready, timeout_s, 0.25), f"no such proposal; have {self.proposals()}\n{self.serve.log_tail()}"
+        assert wait_until(ready, timeout_s, 0.25), (
+            f"no such proposal; have {self.proposals()}\n{self.serve.log_tail()}"
+        )
         return found[-1]
 
     def cli(self, *args: str) -> dict[str, Any]:
         out = self.root / "cli.json"
         with open(out, "w") as handle:
-            result = subprocess.run([sys.executable, "-m", "monitor", *args, "--json"], stdout=handle,
-                                    stderr=subprocess.PIPE, text=True, env=child_environ(), cwd=self.root, timeout=300)
+            result = subprocess.run(
+                [sys.executable, "-m", "monitor", *args, "--json"],
+                stdout=handle,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=child_environ(),
+                cwd=self.root,
+                timeout=300,
+            )
         assert result.returncode == 0, result.stderr
         return json.loads(out.read_text())
 
@@ -112,9 +145,20 @@ def scenario(tmp_path: Path) -> Any:
 
 def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario: Scenario) -> None:
     corrupt = "2:44"  # rank 2's batch 44: trained at update 45
-    replay = f"{sys.executable} -m tests.recovery_replay --corrupt {corrupt} {{spec}} {{result}}"
-    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--corrupt", corrupt,
-                   "--wait-rollback", "--replay-command", replay)
+    replay = (
+        f"{sys.executable} -m monitor.demo.replay --task sequence --corrupt {corrupt} {{spec}} {{result}}"
+    )
+    ranks = launch(
+        scenario.root,
+        scenario.serve,
+        scenario.run,
+        scenario.token,
+        "--corrupt",
+        corrupt,
+        "--wait-rollback",
+        "--replay-command",
+        replay,
+    )
     first = scenario.wait_proposal(lambda p: p["status"] == "pending")
     assert first["evidence"]["incident"]["first_step"] == 45
     assert first["target"]["step"] == 40  # the newest valid checkpoint strictly before update 45
@@ -123,8 +167,16 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
     second = scenario.wait_proposal(lambda p: p["verdict"] == "data" and p["status"] == "pending")
     assert second["data_action"] == "skip" and "r2-b44" in second["skip_batches"]
     assert second["quarantine"] == {"node": None, "device": None}
-    approved = scenario.cli("approve", str(second["id"]), "--reason", "bad shard", "--url", scenario.serve.url,
-                            "--token", scenario.operator)
+    approved = scenario.cli(
+        "approve",
+        str(second["id"]),
+        "--reason",
+        "bad shard",
+        "--url",
+        scenario.serve.url,
+        "--token",
+        scenario.operator,
+    )
     assert approved["ok"] and approved["proposal"]["decided_by"] == "oncall-alice"
     results = finish(ranks, scenario.root)
 
@@ -133,7 +185,9 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
     assert all(r["rollbacks"][0]["to"] == 40 for r in results)
     acks = table_rows(scenario.db, "directive_acks")
     rollback_acks = [a for a in acks if a["directive_id"] == approved["proposal"]["directive"]]
-    assert sorted(a["rank"] for a in rollback_acks) == list(range(WORLD)) and {a["status"] for a in rollback_acks} == {"done"}
+    assert sorted(a["rank"] for a in rollback_acks) == list(range(WORLD)) and {
+        a["status"] for a in rollback_acks
+    } == {"done"}
     steps = table_rows(scenario.db, "step_records")
     resumed = [s for s in steps if s["incarnation"] == results[0]["incarnation"]]
     assert min(s["step"] for s in resumed) == 41
@@ -143,15 +197,35 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
         assert audit.verify(connection).ok
     assert incident["status"] == "resolved"
     story = [e["action"] for e in incident["story"]]
-    for action in ("incident_opened", "proposed", "replay_verdict", "approved", "directive", "acknowledged",
-                   "rollback_executed", "resume_verified", "incident_resolved"):
+    for action in (
+        "incident_opened",
+        "proposed",
+        "replay_verdict",
+        "approved",
+        "directive",
+        "acknowledged",
+        "rollback_executed",
+        "resume_verified",
+        "incident_resolved",
+    ):
         assert action in story, story
     verdict = next(e for e in incident["story"] if e["action"] == "resume_verified")
     assert verdict["details"]["verdict"] == "passed"
 
 
 def test_a_faulty_device_is_found_by_its_canary_and_its_node_quarantined(scenario: Scenario) -> None:
-    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--faulty-rank", "2", "--steps", "60")
+    ranks = launch(
+        scenario.root,
+        scenario.serve,
+        scenario.run,
+        scenario.token,
+        "--faulty-rank",
+        "2",
+        "--training-flips",
+        "0.02",
+        "--steps",
+        "60",
+    )
     results = finish(ranks, scenario.root)
     assert all(not r["rollbacks"] for r in results)
     hardware = scenario.wait_proposal(lambda p: p["verdict"] == "hardware", timeout_s=30)
@@ -160,14 +234,28 @@ def test_a_faulty_device_is_found_by_its_canary_and_its_node_quarantined(scenari
     assert {c["verdict"] for c in canaries if c["rank"] != 2} == {"ok"}
     assert "mismatch" in {c["verdict"] for c in canaries if c["rank"] == 2}
     with scenario.engine.connect() as connection:
-        kinds = {i["kind"] for i in queries.list_incidents(connection, queries.IncidentFilter(run=scenario.run))}
+        kinds = {
+            i["kind"] for i in queries.list_incidents(connection, queries.IncidentFilter(run=scenario.run))
+        }
     assert "canary" in kinds
 
 
-def test_a_fault_without_a_reproducible_cause_stays_undetermined_and_quarantines_nothing(scenario: Scenario) -> None:
-    replay = f"{sys.executable} -m tests.recovery_replay {{spec}} {{result}}"
-    ranks = launch(scenario.root, scenario.serve, scenario.run, scenario.token, "--transient", "1:45",
-                   "--steps", "60", "--replay-command", replay)
+def test_a_fault_without_a_reproducible_cause_stays_undetermined_and_quarantines_nothing(
+    scenario: Scenario,
+) -> None:
+    replay = f"{sys.executable} -m monitor.demo.replay --task sequence {{spec}} {{result}}"
+    ranks = launch(
+        scenario.root,
+        scenario.serve,
+        scenario.run,
+        scenario.token,
+        "--transient",
+        "1:45",
+        "--steps",
+        "60",
+        "--replay-command",
+        replay,
+    )
     proposal = scenario.wait_proposal(lambda p: p["status"] == "pending")
     replayed = scenario.cli("replay", str(proposal["incident"]), "--db", str(scenario.db))
     assert replayed["verdict"] == "undetermined" and "did not reproduce" in replayed["reason"]

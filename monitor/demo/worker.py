@@ -1,15 +1,18 @@
-"""One rank of the recovery end-to-end tests, run as ``python -m tests.recovery_worker``.
+"""One rank of the demo (and of the recovery tests): ``python -m monitor.demo.worker``.
 
-A small DDP model on gloo learns a sequence task (each token is the previous plus one, with 10%
-label noise), checkpoints every ``--checkpoint-every`` updates (files, manifest, cursor), and
-carries out a rollback directive when the hook stops it: restore the named checkpoint, skip the
-named batches, resume. Faults, each as it would happen for real:
+A DDP model on gloo trains with the RunHealth hook, checkpoints every ``--checkpoint-every``
+updates (files, manifest, data cursor), and carries out a rollback directive when the hook
+stops it: restore the named checkpoint, skip the named batches, resume. Faults, each as it
+would happen for real:
 
 - ``--corrupt R:I``: rank R's batch I is noise (a bad data shard: replays reproduce it);
-- ``--faulty-rank R``: rank R's device flips a high bit in a matmul output now and then, and
-  its canary's GEMM output too (silent data corruption: replays elsewhere do not reproduce it);
+- ``--faulty-rank R``: rank R's device computes wrong answers: its canary's GEMM output has a
+  high bit flipped, and with ``--training-flips P`` its training matmuls too, with
+  probability P per call (silent data corruption);
 - ``--transient R:S``: rank R's loss is hit once at update S, in the first run only (a fault
-  that neither a replay nor a canary can explain).
+  neither a replay nor a canary can explain).
+
+Imports torch: it is the trainer side, run as its own process, never imported by the service.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,63 +34,37 @@ from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig, build_manifest
 from collectors.canary import Faults
-
-VOCAB, LENGTH, ROWS = 32, 17, 8
-
-
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, VOCAB)
-    )
+from monitor.demo.tasks import TASKS, Task, loss_of, pair
 
 
-def batch(rank: int, index: int, corrupt: tuple[int, int] | None) -> dict[str, Any]:
-    """Rank ``rank``'s batch ``index`` of the dataset, the same in training and in replays."""
-    generator = torch.Generator().manual_seed(rank * 1_000_003 + index)
-    if corrupt == (rank, index):
-        tokens = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
-    else:
-        start = torch.randint(0, VOCAB, (ROWS, 1), generator=generator)
-        tokens = (start + torch.arange(LENGTH)) % VOCAB
-        noise = torch.rand(ROWS, LENGTH, generator=generator) < 0.1
-        tokens = torch.where(noise, torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator), tokens)
-    return {"tokens": tokens, "index": index, "ids": [f"r{rank}-b{index}"]}
-
-
-def stream(
-    rank: int, cursor: int, skip: set[str], corrupt: tuple[int, int] | None
-) -> Iterator[dict[str, Any]]:
-    index = cursor
-    while True:
-        item = batch(rank, index, corrupt)
-        if item["ids"][0] not in skip:
-            yield item
-        index += 1
-
-
-def loss_of(net: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = net(tokens)[:, :-1]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-
-
-def bit_flipper(rng: random.Random, probability: float, bit: int = 30) -> Any:
-    """A marginal core: with ``probability`` per call, one element gets one exponent bit flipped."""
+def bit_flipper(rng: random.Random, probability: float, bit: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A marginal core: with ``probability`` per call, one element gets one exponent bit flipped.
+    The wrong value flows on as if computed, so gradients still reach every parameter."""
 
     def flip(tensor: torch.Tensor) -> torch.Tensor:
         if rng.random() >= probability:
             return tensor
         flat = tensor.detach().clone().contiguous().view(-1).view(torch.int32)
         flat[rng.randrange(flat.numel())] ^= 1 << bit
-        corrupted = flat.view(torch.float32).view(tensor.shape)
-        # The wrong value flows on as if computed: gradients still reach every parameter.
-        return tensor + (corrupted - tensor).detach()
+        return tensor + (flat.view(torch.float32).view(tensor.shape) - tensor).detach()
 
     return flip
 
 
+def stream(
+    task: Task, rank: int, cursor: int, skip: set[str], corrupt: tuple[int, int] | None
+) -> Iterator[dict[str, Any]]:
+    index = cursor
+    while True:
+        item = task.batch(rank, index, corrupt)
+        if item["ids"][0] not in skip:
+            yield item
+        index += 1
+
+
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--task", choices=sorted(TASKS), default="sequence")
     parser.add_argument("--steps", type=int, default=80, help="updates before the run may end")
     parser.add_argument("--after-rollback", type=int, default=20, help="updates after a rollback")
     parser.add_argument("--max-steps", type=int, default=400, help="end anyway after this many updates")
@@ -96,15 +73,14 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--corrupt", default=None, help="R:I")
     parser.add_argument("--faulty-rank", type=int, default=None)
+    parser.add_argument("--training-flips", type=float, default=0.0)
+    parser.add_argument("--faulty-from", type=int, default=0, help="the device fails from this update on")
     parser.add_argument("--transient", default=None, help="R:S")
-    parser.add_argument("--step-sleep", type=float, default=0.02)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--replay-command", default=None)
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
-
-
-def pair(text: str | None) -> tuple[int, int] | None:
-    return None if text is None else (int(text.split(":")[0]), int(text.split(":")[1]))
 
 
 def save(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any, meta: dict[str, Any]) -> None:
@@ -114,7 +90,21 @@ def save(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any, meta:
     (path / "meta.json").write_text(json.dumps(meta))
 
 
+def restore(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    net.load_state_dict(torch.load(path / "model.pt"))
+    states = torch.load(path / "optim.pt")
+    optimizer.load_state_dict(states["optimizer"])
+    scheduler.load_state_dict(states["scheduler"])
+    meta: dict[str, Any] = json.loads((path / "meta.json").read_text())
+    return meta
+
+
+def warmup(optimizer: Any) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+
+
 def hook_config(environ: dict[str, str], canary_on_checkpoint: bool) -> RunHealthConfig:
+    """Quick pacing for a short run: records every 0.1 s, directives polled every 0.2 s."""
     config = RunHealthConfig.from_environ(environ)
     sender = dataclasses.replace(
         config.sender, flush_interval_s=0.1, heartbeat_interval_s=0.5, retry_initial_s=0.1, retry_max_s=0.5
@@ -125,46 +115,58 @@ def hook_config(environ: dict[str, str], canary_on_checkpoint: bool) -> RunHealt
 
 
 def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
+    task = TASKS[args.task]
     corrupt, transient = pair(args.corrupt), pair(args.transient)
     faulty = args.faulty_rank == rank
-    net = DistributedDataParallel(model())
-    if faulty:
-        # Bit 27 (x or / 2**16): a spike that training survives, unlike the overflow of bit 30.
-        flip = bit_flipper(random.Random(7), 0.02, bit=27)
-        net.module[1].register_forward_hook(lambda _m, _i, out: flip(out))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    canary_faults = Faults(
-        output=lambda k, t: bit_flipper(random.Random(11), 1.0)(t) if k == "gemm_fp32" else t
-    )
+    net = DistributedDataParallel(task.model())
+    if faulty and args.training_flips > 0:
+        flip = bit_flipper(random.Random(7), args.training_flips, bit=27)  # x or / 2**16: a survivable spike
+        for module in net.module.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda _m, _i, out: flip(out))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    scheduler = warmup(optimizer)
+    corrupt_gemm = bit_flipper(random.Random(11), 1.0, bit=30)
+    now = {"step": 0}  # the device degrades at --faulty-from: its canaries fail from then on
+
+    def canary_output(kernel: str, tensor: torch.Tensor) -> torch.Tensor:
+        return corrupt_gemm(tensor) if kernel == "gemm_fp32" and now["step"] >= args.faulty_from else tensor
+
+    canary_faults = Faults(output=canary_output)
     config = hook_config(environ, canary_on_checkpoint=args.faulty_rank is not None)
-    cursor, skip, rollbacks, resumed_at = 0, set(), [], None
+    run_config = (
+        {"task": args.task, "replay_command": args.replay_command}
+        if args.replay_command
+        else {"task": args.task}
+    )
+    cursor, resumed_at = 0, None
+    skip: set[str] = set()
+    rollbacks: list[dict[str, Any]] = []
     with RunHealth(
         model=net,
         optimizer=optimizer,
         scheduler=scheduler,
         config=config,
         environ=environ,
-        run_config={"replay_command": args.replay_command} if args.replay_command else None,
+        run_config=run_config,
         canary_faults=canary_faults if faulty else None,
     ) as rh:
         while True:
-            for item in rh.windows(stream(rank, cursor, skip, corrupt), sample_ids=lambda b: b["ids"]):
+            for item in rh.windows(stream(task, rank, cursor, skip, corrupt), sample_ids=lambda b: b["ids"]):
                 cursor = item["index"] + 1
-                loss = loss_of(net, item["tokens"])
-                step = rh.progress["step"] + 1
-                if transient and transient == (rank, step) and not rollbacks:
+                loss = loss_of(net, item["tokens"], task.vocab)
+                if transient == (rank, int(rh.progress["step"] or 0) + 1) and not rollbacks:
                     loss = loss * 40.0
                 rh.loss(loss, labels=item["tokens"])
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 rh.grad_norm(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 time.sleep(args.step_sleep)
                 rh.window_end()  # the window's update counted now, so the checkpoint's step is right
-                step = rh.progress["step"]
-                consumed = rh.progress["consumed"]
+                step, consumed = int(rh.progress["step"] or 0), int(rh.progress["consumed"] or 0)
+                now["step"] = step
                 if step % args.checkpoint_every == 0:
                     path = args.checkpoints / f"step-{step}-{len(rollbacks)}"
                     if rank == 0:
@@ -177,28 +179,21 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                         )
                     dist.barrier()
                     rh.checkpoint_saved(step, str(path), manifest=build_manifest(str(path), step, consumed))
-                done_after_rollback = resumed_at is not None and step >= resumed_at + args.after_rollback
-                if (
-                    step >= args.max_steps
-                    or done_after_rollback
-                    or (step >= args.steps and not args.wait_rollback)
-                ):
+                after = resumed_at is not None and step >= resumed_at + args.after_rollback
+                if step >= args.max_steps or after or (step >= args.steps and not args.wait_rollback):
                     break
             directive = rh.directive
             if directive is None or directive.get("kind") != "rollback":
                 break
-            checkpoint = Path(directive["checkpoint_path"])
-            meta = json.loads((checkpoint / "meta.json").read_text())
-            net.load_state_dict(torch.load(checkpoint / "model.pt"))
-            states = torch.load(checkpoint / "optim.pt")
-            optimizer.load_state_dict(states["optimizer"])
-            scheduler.load_state_dict(states["scheduler"])
+            meta = restore(Path(directive["checkpoint_path"]), net, optimizer, scheduler)
             cursor, skip = meta["cursor"], skip | set(directive.get("skip_batches") or [])
             rollbacks.append(
                 {"directive": directive["id"], "stopped_at": rh.progress["step"], "to": meta["step"]}
             )
             rh.resumed(
-                checkpoint_path=str(checkpoint), checkpoint_step=meta["step"], consumed=meta["consumed"]
+                checkpoint_path=directive["checkpoint_path"],
+                checkpoint_step=meta["step"],
+                consumed=meta["consumed"],
             )
             resumed_at = meta["step"]
     return {

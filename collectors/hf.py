@@ -1,0 +1,318 @@
+"""``RunHealthCallback``: the transformers ``Trainer``'s events, translated into the hook's calls.
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.add_callback(RunHealthCallback(trainer))
+    trainer.train()
+
+Every value is taken where the Trainer produces it, as a reference, never read on the training
+thread: ``logging_steps=1`` would make the Trainer all-gather and ``.item()`` its loss every step,
+and what it logs is a rounded mean of per-rank means, not this rank's token-weighted sum.
+
+- A window (one optimizer-step attempt, all its ``gradient_accumulation_steps`` microbatches) is
+  ``on_step_begin`` to ``on_step_end``.
+- Each microbatch's loss and labels: a forward hook on the model, which sees the ``labels`` the
+  Trainer passes and the loss tensor in the output (kept on the device). When the Trainer passes
+  ``num_items_in_batch`` the model's loss is its sum over that window-wide (and, with
+  ``average_tokens_across_devices``, world-wide) token count; the hook multiplies it back into
+  this microbatch's sum, on the device.
+- The grad norm before clipping: the Trainer gets it, as a device tensor, from
+  ``accelerator.clip_grad_norm_`` and hands callbacks nothing of it (``on_pre_optimizer_step``
+  comes after clipping; ``on_log`` gets a float after its own ``.item()``, on logging steps
+  only). So, given the trainer, the callback wraps that one method on this trainer's
+  accelerator and passes the returned tensor on: no sync. Without the trainer, no grad norm.
+- Updates: the hook's step hooks on the optimizer accelerate wraps. ``AcceleratedOptimizer`` is
+  not a real ``torch.optim.Optimizer`` (its step runs no step hooks), while the inner optimizer
+  is stepped only when the GradScaler finds no inf; ``global_step`` counts skipped attempts too.
+- Checkpoints: ``on_save``, on every rank at the same step (the hook runs its checkpoint canary
+  there when configured). The saving ranks first write the hook's counters into the folder
+  (``runhealth.json``), so that a resume continues them exactly; after a barrier (every rank's
+  files, its RNG state or shards, are written) the world's rank 0 hashes the folder for the
+  manifest. That read-back is on the training thread: the hook's canary must run at the save's
+  step on every rank, and ``checkpoint_saved`` takes the manifest at once. ``manifests=False``
+  records checkpoints without it (they are then no rollback target).
+- Resume: ``global_step > 0`` at ``on_train_begin`` (the Trainer loaded a checkpoint's state).
+- Directives: after each window, ``rh.should_stop()``; a rollback stops the Trainer there
+  (``control.should_training_stop``), on every rank at the same step, and ``rh.directive`` says
+  what to restore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # pragma: no cover - exercised by the no-transformers check
+    raise ImportError("collectors.hf needs transformers and accelerate: pip install 'runhealth[hf]'") from exc
+
+from collectors.checkpoints import build_manifest
+from collectors.guard import guarded
+from collectors.hook import RunHealth
+from collectors.tokens import supervised_tokens
+
+log = logging.getLogger("runhealth.collectors")
+
+PROGRESS_FILE = "runhealth.json"
+
+
+class RunHealthCallback(TrainerCallback):
+    """Attach ``RunHealth`` to a ``Trainer``, on every rank.
+
+    ``trainer``: the Trainer this callback is added to; needed for the grad norm before clipping
+    (see the module docstring). ``rh``: a hook to use (the caller closes it); by default one is
+    made from the environment, closed at ``on_train_end`` and made anew for another ``train()``
+    (a new incarnation). ``manifests``: hash each saved checkpoint (rank 0) for its manifest.
+
+    Every event is ``guarded``: an exception is counted and logged once, never raised into
+    training. ``self`` is positional-only in them since the Trainer passes its objects as
+    keyword arguments, which ``**kwargs`` takes.
+    """
+
+    def __init__(
+        self, trainer: Trainer | None = None, *, rh: RunHealth | None = None, manifests: bool = True
+    ) -> None:
+        self.rh = rh if rh is not None else RunHealth()  # cheap: attaches at on_train_begin
+        self.faults = self.rh.faults  # what ``guarded`` records into
+        self._owned = rh is None
+        self._closed = False
+        self._trainer = trainer
+        self._manifests = manifests
+        self._open = False
+        self._idle_since: float | None = None  # when the Trainer last finished its own work
+        self._forward_handle: Any = None
+        self._clip_wrapper: Any = None
+
+    # Attaching and detaching.
+
+    @guarded
+    def on_train_begin(
+        self,
+        /,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._owned and self._closed:  # another train() after one ended: a new incarnation
+            self.rh, self._closed = RunHealth(), False
+            self.faults = self.rh.faults
+        # The AcceleratedOptimizer carries the GradScaler accelerate made (fp16), or None.
+        self.rh.watch(
+            model=model,
+            optimizer=inner_optimizer(optimizer),
+            scaler=getattr(optimizer, "scaler", None),
+            scheduler=lr_scheduler,
+        )
+        self.rh.start()
+        if model is not None and self._forward_handle is None:
+            self._forward_handle = model.register_forward_hook(self._after_forward, with_kwargs=True)
+        self._wrap_clip()
+        if state.global_step > 0:
+            self._resumed(args, state)
+        self._idle_since = time.perf_counter()
+
+    @guarded
+    def on_train_end(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._open = False
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+        self._unwrap_clip()
+        if self._owned:
+            self.rh.close("stopped" if self.rh.directive is not None else "completed")
+            self._closed = True
+
+    # The window.
+
+    @guarded
+    def on_epoch_begin(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._idle_since = time.perf_counter()  # the epoch's iterator is made after this
+
+    @guarded
+    def on_step_begin(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The Trainer fetched the window's batches just before this; since its last own work
+        # (the previous step, logging, evaluation, a save) it was waiting for data.
+        since = self._idle_since
+        self.rh.window_start(data_wait_s=None if since is None else time.perf_counter() - since)
+        self._open = True
+
+    @guarded
+    def on_step_end(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._open = False
+        self.rh.window_end()
+        if self.rh.should_stop():  # a rollback directive, at the step every rank agreed on
+            control.should_training_stop = True
+        self._idle_since = time.perf_counter()
+
+    @guarded
+    def on_log(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._idle_since = time.perf_counter()
+
+    @guarded
+    def on_evaluate(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._idle_since = time.perf_counter()
+
+    @guarded
+    def _after_forward(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """Each training microbatch's loss, as a device tensor (no sync), with its labels.
+        Evaluation forwards (not training, or outside a window) are not the window's."""
+        if not (self._open and module.training):
+            return
+        labels = kwargs.get("labels")
+        loss = output_loss(output, labels)
+        if loss is None:  # a loss computed outside the model (compute_loss_func, label smoothing)
+            return
+        loss = loss.detach()
+        tokens = None
+        shift_labels = kwargs.get("shift_labels")  # padding-free collators: already the targets
+        if shift_labels is not None:
+            ignore_index = self.rh.config.hook.ignore_index
+            tokens = supervised_tokens(shift_labels, shift=False, ignore_index=ignore_index)
+        items = kwargs.get("num_items_in_batch")
+        if items is not None:
+            # The model divided this microbatch's summed loss by the count of the window (of all
+            # ranks, with average_tokens_across_devices): multiplied back, it is this
+            # microbatch's sum. A device op on device values.
+            self.rh.loss(loss * items, labels=labels, tokens=tokens, reduction="sum")
+        else:
+            self.rh.loss(loss, labels=labels, tokens=tokens, reduction="mean")
+
+    def _wrap_clip(self) -> None:
+        """Pass the pre-clip norm ``accelerator.clip_grad_norm_`` returns to the hook, as the
+        tensor it is. Only on this trainer's accelerator, undone at ``on_train_end``."""
+        if self._trainer is None:
+            log.warning(
+                "runhealth: RunHealthCallback has no trainer, so grad norms are not recorded "
+                "(the Trainer gives callbacks no pre-clip norm): use RunHealthCallback(trainer)"
+            )
+            return
+        if self._clip_wrapper is not None:
+            return
+        accelerator = self._trainer.accelerator
+        clip = accelerator.clip_grad_norm_
+        rh = self.rh
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = clip(*args, **kwargs)
+            rh.grad_norm(norm)  # guarded; ignored outside a window
+            return norm
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        self._clip_wrapper = clip_grad_norm_
+
+    def _unwrap_clip(self) -> None:
+        wrapper, self._clip_wrapper = self._clip_wrapper, None
+        if wrapper is None or self._trainer is None:
+            return
+        accelerator = self._trainer.accelerator
+        if vars(accelerator).get("clip_grad_norm_") is wrapper:
+            del accelerator.clip_grad_norm_  # the class's method again
+
+    # Checkpoints and resumes.
+
+    @guarded
+    def on_save(
+        self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        path = checkpoint_folder(args, state)
+        progress = self.rh.progress  # the boundary: the window that triggered the save is closed
+        step, consumed = int(progress["step"] or 0), progress["consumed"]
+        # Only counters the hook kept (no windows: it is not attached, and they mean nothing).
+        if args.should_save and progress["attempt"] and os.path.isdir(path):
+            write_progress(path, {**progress, "global_step": state.global_step})
+        manifest = None
+        if self._manifests:
+            wait_for_every_rank()
+            if state.is_world_process_zero and os.path.isdir(path):
+                manifest = build_manifest(path, step, consumed)
+        self.rh.checkpoint_saved(step, path, manifest=manifest, consumed=consumed)
+        self._idle_since = time.perf_counter()
+
+    def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
+        """The Trainer restored a checkpoint's state, model, optimizer, scheduler and scaler
+        before ``on_train_begin``. Its folder is found by the Trainer's own naming; the hook's
+        counters at that boundary come from the file ``on_save`` wrote there, else the hook
+        takes the optimizer's step counter and leaves the consumed count unknown."""
+        path = checkpoint_folder(args, state)
+        found = os.path.isdir(path)
+        progress = read_progress(path) if found else {}
+        self.rh.resumed(
+            checkpoint_path=path if found else None,
+            checkpoint_step=progress.get("step"),
+            consumed=progress.get("consumed"),
+            extra={"global_step": state.global_step},
+        )
+
+
+def wait_for_every_rank() -> None:
+    """A barrier at a save (every rank is in ``on_save`` at the same step): each rank's files
+    are written before rank 0 reads them back."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer accelerate wraps: the one whose step (and step hooks) run on an update."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def output_loss(output: Any, labels: Any) -> Any:
+    """The loss in a model's output: ``ModelOutput.loss``, or the first item of a tuple output
+    when labels were given (``return_dict=False``); None when there is none."""
+    loss: Any = None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, tuple | list) and output and labels is not None:
+        loss = output[0]
+    return loss if hasattr(loss, "detach") and loss.dim() == 0 else None
+
+
+def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
+    """Where the Trainer saves (and, by the same name, resumes) the checkpoint of this step.
+    Absolute, so the save and the resume name it alike."""
+    folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    return os.path.abspath(os.path.join(str(args.output_dir), folder))
+
+
+def write_progress(folder: str, progress: Mapping[str, Any]) -> None:
+    """The hook's counters at this checkpoint, written whole or not at all (rename)."""
+    target = os.path.join(folder, PROGRESS_FILE)
+    partial = target + ".partial"
+    with open(partial, "w", encoding="utf-8") as handle:
+        json.dump(dict(progress), handle)
+    os.replace(partial, target)
+
+
+def read_progress(folder: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(folder, PROGRESS_FILE), encoding="utf-8") as handle:
+            progress = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return progress if isinstance(progress, dict) else {}

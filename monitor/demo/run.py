@@ -1,0 +1,411 @@
+"""``runhealth demo``: four ranks train a small character-level transformer on the CPU, watched
+by runhealth, while two things go wrong.
+
+1. Rank 1 reads a corrupted batch (a bad shard). The loss spikes; runhealth proposes a rollback
+   to the newest valid checkpoint before the spike; the replay job reproduces the spike from
+   that checkpoint and shows that skipping the batch removes it, so the proposal is redone to
+   skip it; an operator approves from the CLI with their token; every rank stops at the same
+   step, restores, skips the batch and resumes; the resume is checked against the checkpoint
+   and the incident is resolved.
+2. Rank 2's device starts computing wrong answers. Its canary (run on every rank at each
+   checkpoint) no longer matches its peers', on the immediate re-run too: a persistent
+   mismatch, and a proposal to quarantine its node.
+
+The service runs on loopback over an SQLite file, as the embedded default does; the trainers
+record through the RunHealth hook; the operator's steps are the real CLI commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from rich.console import Console
+from rich.table import Table
+
+from monitor import audit, migrate, queries
+from monitor.db import create_store_engine, resolve_url
+from monitor.decisions import list_proposals
+from monitor.operators import add_operator
+
+DEMO_DIR = Path("runhealth-demo")
+
+
+class DemoError(RuntimeError):
+    """The demo could not run; the message says where its logs are."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    db: str | None = None
+    world: int = 4
+    corrupt_step: int = 150
+    """The update whose batch (on rank 1) is corrupted."""
+    faulty_from: int = 150
+    """The update from which rank 2's device fails its canaries."""
+    checkpoint_every: int = 25
+    after_rollback: int = 40
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.world < 4:
+            raise ValueError("demo --world must be at least 4 (a canary needs a quorum of 3 healthy peers)")
+        if self.corrupt_step <= 60:
+            raise ValueError("demo --corrupt-step must be past the 50-step warm-up and a checkpoint (> 60)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _environ(**extra: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RUNHEALTH_")}
+    return {**environ, **extra}
+
+
+class Demo:
+    def __init__(self, config: DemoConfig, console: Console, quiet: bool) -> None:
+        self.config = config
+        self.console = console
+        self.quiet = quiet
+        self.db = Path(config.db) if config.db else DEMO_DIR / "runhealth.db"
+        self.run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        self.workdir = self.db.parent / self.run
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.admin = secrets.token_urlsafe(24)
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text)
+
+    # --- the service and the run -------------------------------------------------------------
+
+    def start_service(self) -> str:
+        self.engine = create_store_engine(resolve_url(str(self.db), {}))
+        migrate.upgrade(self.engine)
+        port_file = self.workdir / "port"
+        command = [
+            sys.executable,
+            "-m",
+            "monitor",
+            "serve",
+            "--db",
+            str(self.db),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ]
+        log = open(self.workdir / "serve.log", "ab")
+        self.service = subprocess.Popen(
+            command, env=_environ(RUNHEALTH_ADMIN_TOKEN=self.admin), stdout=log, stderr=log
+        )
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.service.poll() is not None or time.monotonic() > deadline:
+                raise DemoError(f"runhealth serve did not start: see {self.workdir / 'serve.log'}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        response = httpx.post(
+            f"{self.url}/v1/runs",
+            json={"name": self.run},
+            headers={"authorization": f"Bearer {self.admin}"},
+            timeout=30,
+        )
+        response.raise_for_status()
+        self.token = response.json()["token"]
+        with self.engine.begin() as connection:
+            self.operator = add_operator(
+                connection, f"oncall-{self.run}", actor="runhealth demo", now=time.time()
+            )
+        return self.url
+
+    def launch(self) -> None:
+        corrupt = f"1:{self.config.corrupt_step - 1}"
+        replay = f"{sys.executable} -m monitor.demo.replay --task text --world {self.config.world} --corrupt {corrupt} {{spec}} {{result}}"
+        port = str(_free_port())
+        (self.workdir / "results").mkdir(exist_ok=True)
+        for rank in range(self.config.world):
+            environ = _environ(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(rank),
+                WORLD_SIZE=str(self.config.world),
+                LOCAL_RANK=str(rank),
+                OMP_NUM_THREADS="1",
+                RUNHEALTH_URL=self.url,
+                RUNHEALTH_TOKEN=self.token,
+                RUNHEALTH_RUN=self.run,
+                RUNHEALTH_NODE=f"node-{rank}",
+                RUNHEALTH_SPOOL_DIR=str(self.workdir / "spool"),
+            )
+            command = [
+                sys.executable,
+                "-m",
+                "monitor.demo.worker",
+                "--task",
+                "text",
+                "--wait-rollback",
+                "--steps",
+                str(self.config.corrupt_step),
+                "--max-steps",
+                str(self.config.corrupt_step * 5),
+                "--after-rollback",
+                str(self.config.after_rollback),
+                "--checkpoint-every",
+                str(self.config.checkpoint_every),
+                "--checkpoints",
+                str(self.workdir / "ckpt"),
+                "--corrupt",
+                corrupt,
+                "--faulty-rank",
+                "2",
+                "--faulty-from",
+                str(self.config.faulty_from),
+                "--replay-command",
+                replay,
+                "--out",
+                str(self.workdir / "results"),
+            ]
+            log = open(self.workdir / f"rank-{rank}.log", "ab")
+            self.processes.append(subprocess.Popen(command, env=environ, stdout=log, stderr=log))
+
+    # --- the operator ------------------------------------------------------------------------
+
+    def cli(self, *args: str) -> dict[str, Any]:
+        """A real ``runhealth`` command, as the operator would type it."""
+        shown = " ".join(a if a != self.operator else "$RUNHEALTH_OPERATOR_TOKEN" for a in args)
+        self.say(f"  [dim]$ runhealth {shown}[/dim]")
+        done = subprocess.run(
+            [sys.executable, "-m", "monitor", *args, "--json"],
+            capture_output=True,
+            text=True,
+            env=_environ(),
+            timeout=600,
+        )
+        if done.returncode != 0:
+            raise DemoError(f"runhealth {args[0]} failed: {done.stderr.strip()[-500:]}")
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
+
+    def proposals(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as connection:
+            return list_proposals(connection, self.run)
+
+    def wait(self, what: str, check: Any) -> Any:
+        deadline = time.monotonic() + self.config.timeout_s
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            if any(p.poll() not in (None, 0) for p in self.processes):
+                raise DemoError(f"a rank failed while waiting for {what}: see {self.workdir}/rank-*.log")
+            time.sleep(0.3)
+        raise DemoError(f"timed out waiting for {what}")
+
+    def recover(self) -> dict[str, Any]:
+        first = self.wait(
+            "the spike's proposal",
+            lambda: next(
+                (
+                    p
+                    for p in self.proposals()
+                    if p["status"] == "pending" and p["evidence"]["incident"]["kind"] == "spike"
+                ),
+                None,
+            ),
+        )
+        incident = first["evidence"]["incident"]
+        self.say(f"[bold]incident {first['incident']}[/bold]: {incident['summary']}")
+        self.say(
+            f"  proposal {first['id']}: rewind to the checkpoint at step {first['target']['step']} "
+            f"({first['verdict']}: {first['evidence']['diagnosis']['reason']})"
+        )
+        replayed = self.cli("replay", str(first["incident"]), "--db", str(self.db))
+        self.say(f"  replay job: [bold]{replayed['verdict']}[/bold] ({replayed['reason']})")
+        second = self.wait(
+            "the re-proposal",
+            lambda: next((p for p in self.proposals() if p["id"] == replayed.get("proposal")), None),
+        )
+        self.say(
+            f"  proposal {second['id']}: rewind to step {second['target']['step']}, skip {second['skip_batches']}, "
+            f"cost {second['cost_steps']} steps"
+        )
+        approved = self.cli(
+            "approve",
+            str(second["id"]),
+            "--reason",
+            "bad shard, skip it",
+            "--url",
+            self.url,
+            "--token",
+            self.operator,
+        )
+        self.say(
+            f"  {approved['message']}; every rank stops at step "
+            f"{self._directive_step(approved['proposal']['directive'])}"
+        )
+        found: dict[str, Any] = second
+        return found
+
+    def _directive_step(self, directive_id: int) -> int:
+        with self.engine.connect() as connection:
+            return int(
+                connection.execute(
+                    sa.text("SELECT act_at_step FROM directives WHERE id = :i"), {"i": directive_id}
+                ).scalar_one()
+            )
+
+    def finish(self) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.config.timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as exc:
+                raise DemoError(f"the ranks did not finish: see {self.workdir}/rank-*.log") from exc
+        if any(p.returncode != 0 for p in self.processes):
+            raise DemoError(f"a rank failed: see {self.workdir}/rank-*.log")
+        return [
+            json.loads((self.workdir / "results" / f"rank-{r}.json").read_text())
+            for r in range(self.config.world)
+        ]
+
+    def stop(self) -> None:
+        for process in [*self.processes, getattr(self, "service", None)]:
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+        if hasattr(self, "engine"):
+            self.engine.dispose()
+
+
+def run_demo(config: DemoConfig, console: Console, quiet: bool = False) -> dict[str, Any]:
+    demo = Demo(config, console, quiet)
+    started = time.time()
+    try:
+        url = demo.start_service()
+        demo.say(
+            f"[bold]runhealth demo[/bold]: {config.world} ranks (gloo, CPU) train a character-level "
+            f"transformer on the Python standard library's source; runhealth serves on {url} over {demo.db}."
+        )
+        demo.say(
+            f"  planted: rank 1's batch at update {config.corrupt_step} is noise; rank 2's device fails "
+            f"from update {config.faulty_from} on."
+        )
+        demo.launch()
+        recovered = demo.recover()
+        results = demo.finish()
+        # Canary rounds and the resume check land within a moment of the ranks' last records.
+        demo.wait("the canary's verdict", lambda: any(p["verdict"] == "hardware" for p in demo.proposals()))
+        return report(demo, recovered, results, time.time() - started)
+    finally:
+        demo.stop()
+
+
+def report(
+    demo: Demo, recovered: dict[str, Any], results: list[dict[str, Any]], seconds: float
+) -> dict[str, Any]:
+    with demo.engine.connect() as connection:
+        incidents = queries.list_incidents(connection, queries.IncidentFilter(run=demo.run))
+        story = queries.get_incident(connection, recovered["incident"])
+        chain = audit.verify(connection)
+    proposals = demo.proposals()
+    stopped = sorted({r["rollbacks"][0]["stopped_at"] for r in results if r["rollbacks"]})
+    hardware = next(p for p in proposals if p["verdict"] == "hardware")
+    demo.say(
+        f"  every rank stopped at step {stopped}, restored step {recovered['target']['step']}, skipped "
+        f"{recovered['skip_batches']} and resumed; incident {recovered['incident']}: [bold]{story['status']}[/bold]"
+    )
+    demo.say(
+        f"[bold]canary[/bold]: rank 2's device ({hardware['quarantine']['node']}) missed its peers' fingerprints "
+        f"on the re-run too: proposal {hardware['id']} quarantines {hardware['quarantine']['node']} "
+        f"(awaiting approval; actions are dry-run until configured live)"
+    )
+    if not demo.quiet:
+        demo.console.print(
+            _table(
+                "Incidents",
+                ["id", "kind", "severity", "status", "first step", "ranks", "summary"],
+                [
+                    [
+                        i["id"],
+                        i["kind"],
+                        i["severity"],
+                        i["status"],
+                        i["first_step"],
+                        i["ranks"],
+                        i["summary"],
+                    ]
+                    for i in incidents
+                ],
+            )
+        )
+        demo.console.print(
+            _table(
+                "Proposals",
+                ["id", "incident", "status", "action", "verdict", "rewind to", "quarantine", "decided by"],
+                [
+                    [
+                        p["id"],
+                        p["incident"],
+                        p["status"],
+                        p["action"],
+                        p["verdict"],
+                        p["target"]["step"],
+                        p["quarantine"]["node"],
+                        p["decided_by"],
+                    ]
+                    for p in proposals
+                ],
+            )
+        )
+        demo.console.print(
+            _table(
+                f"Incident {recovered['incident']}: the story",
+                ["#", "who", "what", "why"],
+                [[e["seq"], e["actor"], e["action"], (e["reason"] or "")[:90]] for e in story["story"]],
+            )
+        )
+    demo.say(
+        f"audit chain {'intact' if chain.ok else 'BROKEN'}: {chain.entries} entries. "
+        f"{seconds:.0f} s. Explore: runhealth incidents --db {demo.db}; runhealth proposals --db {demo.db}; "
+        f"runhealth incident {recovered['incident']} --db {demo.db}; runhealth audit verify --db {demo.db}"
+    )
+    return {
+        "run": demo.run,
+        "db": str(demo.db),
+        "seconds": seconds,
+        "incidents": incidents,
+        "proposals": proposals,
+        "recovered_incident": story["status"],
+        "stopped_at": stopped,
+        "audit_ok": chain.ok,
+        "story": [e["action"] for e in story["story"]],
+    }
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    view = Table(title=title, title_justify="left")
+    for column in columns:
+        view.add_column(column)
+    for row in rows:
+        view.add_row(*["" if v is None else str(v) for v in row])
+    return view

@@ -1,0 +1,299 @@
+"""The transformers ``Trainer`` adapter in real short runs (a two-layer GPT-2 on the CPU) against a
+real ``runhealth serve``: one step record per optimizer-step attempt, each checked against values
+the test computes itself; checkpoints with manifests; a resume; skipped fp16 updates. And a
+rollback directive stopping the Trainer, with an in-process transport that hands it over."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.adapters_support import (
+    ROLLBACK,
+    DirectingTransport,
+    assert_manifest_matches,
+    directed_hook,
+    hook_for,
+    stored,
+    stored_steps,
+    wait_until_armed,
+)
+from tests.collectors_support import REPO, ServeProcess, child_environ
+from tests.support import require_module
+
+require_module("torch")
+require_module("transformers")  # before the imports: skipped without it, failed in CI
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from collectors import RunHealth  # noqa: E402
+from collectors.hf import PROGRESS_FILE, RunHealthCallback  # noqa: E402
+
+VOCAB = 128
+LENGTH = 16
+ROWS = 4  # per microbatch
+MICROBATCHES = 2  # gradient_accumulation_steps
+MAX_GRAD_NORM = 0.5  # below every norm of this model: every step clips
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    root = tmp_path_factory.mktemp("serve")
+    process = ServeProcess(root, root / "store.db")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a model from a config: nothing to download
+
+
+def dataset(count: int = 32) -> list[dict[str, torch.Tensor]]:
+    """Causal-LM examples whose prompts (a varying prefix) are masked with -100."""
+    generator = torch.Generator().manual_seed(0)
+    examples = []
+    for index in range(count):
+        input_ids = torch.randint(0, VOCAB, (LENGTH,), generator=generator)
+        labels = input_ids.clone()
+        labels[: 1 + index % 5] = -100
+        examples.append({"input_ids": input_ids, "labels": labels})
+    return examples
+
+
+class ObservedTrainer(Trainer):
+    """A Trainer that notes, by its own computation, what each window should record: each
+    microbatch's summed loss and supervised tokens (after the shift and the mask), and each
+    step's gradient norm before clipping and learning rate. ``poison``: the microbatch after
+    whose backward a gradient is set to inf (1-based)."""
+
+    def __init__(self, *args: Any, poison: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.poison = poison
+        self.microbatches: list[tuple[float, int]] = []
+        self.norms: list[float] = []
+        self.lrs: list[float] = []
+
+    def compute_loss(  # type: ignore[override]
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        loss, outputs = super().compute_loss(
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        targets = inputs["labels"][:, 1:]
+        logits = outputs.logits[:, :-1].detach().float()
+        total = F.cross_entropy(
+            logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        self.microbatches.append((float(total), int((targets != -100).sum())))
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if len(self.microbatches) == self.poison:
+            model.lm_head.weight.grad.fill_(math.inf)
+        return loss
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        # Where the Trainer clips, every step: the norm the test computes here is before clipping.
+        grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])
+        return super()._clip_grad_norm(model)
+
+
+def trainer_for(output: Path, *, poison: int | None = None, **arguments: Any) -> ObservedTrainer:
+    """Four windows of two microbatches of four rows, a checkpoint every two."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0
+    )
+    settings: dict[str, Any] = {
+        "output_dir": str(output),
+        "per_device_train_batch_size": ROWS,
+        "gradient_accumulation_steps": MICROBATCHES,
+        "max_steps": 4,
+        "learning_rate": 1e-3,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_steps": 1000,
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    args = TrainingArguments(**{**settings, **arguments})
+    return ObservedTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset(), poison=poison)
+
+
+def windows(values: list[Any]) -> list[Any]:
+    """Per-microbatch values grouped by window."""
+    return [values[index : index + MICROBATCHES] for index in range(0, len(values), MICROBATCHES)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_kwargs", [True, False], ids=["num_items", "mean"])
+def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
+    serve: ServeProcess, tmp_path: Path, loss_kwargs: bool
+) -> None:
+    """``num_items``: the Trainer passes the window's token count into the model, whose loss is
+    then a share of the window's; ``mean``: a model that takes no loss arguments returns each
+    microbatch's mean."""
+    run = f"hf-run-{loss_kwargs}"
+    rh = hook_for(serve, run, tmp_path)
+    trainer = trainer_for(tmp_path / "out")
+    trainer.model_accepts_loss_kwargs = loss_kwargs
+    trainer.add_callback(RunHealthCallback(trainer, rh=rh))
+    with closing(rh):  # the callback starts it, once it has watched the model
+        trainer.train()
+    steps = stored_steps(serve, run, 4)
+
+    assert [s["attempt"] for s in steps] == [1, 2, 3, 4]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["skipped"] for s in steps] == [False] * 4
+    assert [s["consumed"] for s in steps] == [8, 16, 24, 32]  # 2 microbatches of 4 rows, 1 rank
+    assert [s["microbatches"] for s in steps] == [2] * 4
+    observed = windows(trainer.microbatches)
+    assert [s["tokens"] for s in steps] == [sum(tokens for _, tokens in window) for window in observed]
+    for record, window in zip(steps, observed, strict=True):
+        assert record["loss_sum"] == pytest.approx(sum(total for total, _ in window), rel=1e-5)
+        assert record["data_wait_s"] >= 0 and record["forward_s"] >= 0 and record["optimizer_s"] >= 0
+    assert [s["grad_norm"] for s in steps] == pytest.approx(trainer.norms, rel=1e-5)
+    assert min(trainer.norms) > MAX_GRAD_NORM  # so each recorded norm is the one before clipping
+    assert [s["lr"] for s in steps] == pytest.approx(trainer.lrs)
+    assert trainer.lrs[0] > trainer.lrs[-1]  # the schedule moved: the rate is read per step
+
+    checkpoints = stored(serve, "checkpoint_events", run, 2)
+    assert [(c["step"], c["consumed"]) for c in checkpoints] == [(2, 16), (4, 32)]
+    for checkpoint in checkpoints:
+        folder = Path(checkpoint["path"])
+        assert folder == (tmp_path / "out" / f"checkpoint-{checkpoint['step']}").resolve()
+        manifest = checkpoint["manifest"]
+        assert manifest["step"] == checkpoint["step"] and manifest["consumed"] == checkpoint["consumed"]
+        names = {entry["path"] for entry in manifest["files"]}
+        assert {"model.safetensors", "optimizer.pt", "trainer_state.json", PROGRESS_FILE} <= names
+        assert_manifest_matches(folder, manifest)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_counters_from_its_checkpoint(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    first = hook_for(serve, "hf-resume", tmp_path / "first")
+    trainer = trainer_for(tmp_path / "out")
+    trainer.add_callback(RunHealthCallback(trainer, rh=first))
+    with closing(first):
+        trainer.train()
+    second = RunHealth(config=first.config, environ={}, hostname=lambda: "node-a")  # a restart
+    resumed = trainer_for(tmp_path / "out")
+    resumed.add_callback(RunHealthCallback(resumed, rh=second))
+    with closing(second):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+    steps = stored_steps(serve, "hf-resume", 6)
+    later = [s for s in steps if s["incarnation"] == second.incarnation]
+    assert [(s["attempt"], s["step"], s["consumed"]) for s in later] == [(1, 3, 24), (2, 4, 32)]
+    (resume,) = stored(serve, "resume_events", "hf-resume", 1)
+    assert resume["incarnation"] == second.incarnation
+    assert resume["checkpoint_path"] == str((tmp_path / "out" / "checkpoint-2").resolve())
+    assert resume["checkpoint_step"] == 2
+    restored = resume["restored"]
+    assert restored["consumed"] == 16 and restored["resumed_step"] == 2 and restored["global_step"] == 2
+    assert restored["optimizer"]["optimizer_step_max"] == 2  # the optimizer's own count came back
+    assert restored["scheduler"]["last_epoch"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_a_skipped_fp16_update_is_an_attempt_but_not_a_step(
+    serve: ServeProcess, tmp_path: Path, optim: str
+) -> None:
+    """fp16 on a GPU: accelerate's GradScaler skips the update when a gradient overflowed, and
+    ``global_step`` counts the attempt anyway. The CPU has no fp16 AMP, so the scaler a GPU run
+    gets is given to accelerate here (scale 1: the norms stay comparable) and window 3's
+    gradient is poisoned. A fused AdamW is stepped anyway and skips inside its kernel."""
+    run = f"hf-skip-{optim}"
+    rh = hook_for(serve, run, tmp_path)
+    trainer = trainer_for(tmp_path / "out", poison=2 * MICROBATCHES + 2, optim=optim, save_strategy="no")
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
+    trainer.add_callback(RunHealthCallback(trainer, rh=rh))
+    with closing(rh):
+        trainer.train()
+    steps = stored_steps(serve, run, 4)
+
+    assert trainer.state.global_step == 4  # the Trainer counts the skipped attempt
+    assert [s["attempt"] for s in steps] == [1, 2, 3, 4]
+    assert [s["step"] for s in steps] == [1, 2, 2, 3]
+    assert [s["skipped"] for s in steps] == [False, False, True, False]
+    assert [s["consumed"] for s in steps] == [8, 16, 24, 32]  # the skipped window's data was used
+    assert steps[2]["grad_norm"] == math.inf and trainer.norms[2] == math.inf
+    assert [s["loss_scale"] for s in steps] == [1.0, 1.0, 1.0, 0.5]  # backed off after the skip
+    if optim == "adamw_torch":
+        # accelerate saw the skip (the scaler never called step), so the schedule held. A fused
+        # optimizer is always stepped: accelerate reports no skip and the Trainer advances the
+        # schedule, while the record above still says skipped.
+        assert steps[3]["lr"] == steps[2]["lr"]
+    assert rh.progress == {"attempt": 4, "step": 3, "consumed": 32}
+
+
+class WaitForDirectives(TrainerCallback):
+    """Added after the adapter: holds training until the hook it started has armed the rollback."""
+
+    def __init__(self, transport: DirectingTransport) -> None:
+        self.transport = transport
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        wait_until_armed(self.transport)
+
+
+@pytest.mark.slow
+def test_a_rollback_directive_stops_the_trainer_at_its_step(tmp_path: Path) -> None:
+    transport = DirectingTransport()
+    rh = directed_hook(transport, tmp_path)
+    trainer = trainer_for(tmp_path / "out", save_strategy="no")
+    trainer.add_callback(RunHealthCallback(trainer, rh=rh))
+    trainer.add_callback(WaitForDirectives(transport))
+    with closing(rh):
+        trainer.train()
+
+    assert trainer.state.global_step == 2  # of 4: stopped after the window that reached step 2
+    assert [s["attempt"] for s in transport.records("step")] == [1, 2]
+    assert rh.directive == {"id": 7, "kind": "rollback", "step": 2, **ROLLBACK["payload"]}
+    (ack,) = transport.records("directive_ack")
+    assert (ack["directive_id"], ack["status"], ack["step"]) == (7, "done", 2)
+
+
+def test_importing_the_adapter_without_transformers_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import collectors\n"
+        "try:\n    import collectors.hf\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_environ(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "pip install 'runhealth[hf]'" in result.stdout  # and ``import collectors`` needed none
