@@ -878,7 +878,16 @@ class RunHealth:
             "time": self._clock(),
             "world_size": identity.world_size,
             "layout": identity.layout.sizes(),
-            "config": to_wire(self._run_config),
+            # The service places directive steps from how often this hook polls and agrees.
+            "config": to_wire(
+                {
+                    **self._run_config,
+                    "runhealth_hook": {
+                        "directive_poll_s": self.config.directives.poll_interval_s,
+                        "agree_every": self.config.hook.agree_every,
+                    },
+                }
+            ),
         }
 
     def _note_once(self, key: str, message: str) -> None:

@@ -7,7 +7,6 @@ synchronous training pays for it once). The comparison is pure (``policies.canar
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import threading
 from collections import defaultdict
@@ -29,7 +28,6 @@ from policies.canary import (
     compare_round,
     spent_fraction,
 )
-from policies.proposals import act_at_step
 
 RESULT = models.table_of(models.CanaryResult)
 GOLDEN = models.table_of(models.CanaryGolden)
@@ -358,22 +356,7 @@ class CanaryWatch:
 
     def issue(self, connection: Connection, run_id: int, now: float, created_by: str) -> int:
         """A canary directive for every rank, at one step ahead of the newest reported."""
-        highest = int(
-            connection.execute(
-                sa.select(sa.func.max(SUMMARY.c.step)).where(SUMMARY.c.run_id == run_id)
-            ).scalar()
-            or 0
-        )
-        times = sorted(
-            connection.execute(
-                sa.select(SUMMARY.c.last_time)
-                .where(SUMMARY.c.run_id == run_id)
-                .order_by(SUMMARY.c.id.desc())
-                .limit(50)
-            ).scalars()
-        )
-        gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
-        step = act_at_step(highest, statistics.median(gaps) if gaps else 0.0, self._config.poll_interval_s)
+        step = directives.directive_step(connection, run_id, self._config.poll_interval_s, margin=2.0)
         directive_id = directives.create_directive(
             connection,
             run_id,

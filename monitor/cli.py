@@ -42,7 +42,8 @@ app.add_typer(operators_app, name="operators")
 audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
 
-out = Console(soft_wrap=True)
+# Tables keep their width when piped (to a file, a pager, a log) instead of folding to 80 columns.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 DbOption = Annotated[
     str | None,

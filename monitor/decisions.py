@@ -8,11 +8,9 @@ an audit entry with who, when, why and the evidence. The decision logic itself i
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,7 +21,7 @@ from monitor.actions import ActionConfig, quarantine
 from monitor.evidence import incident_evidence
 from monitor.incidents import close_incident
 from policies.diagnosis import Verdict, diagnose
-from policies.proposals import IncidentFacts, Proposal, ProposalConfig, act_at_step, propose
+from policies.proposals import IncidentFacts, Proposal, ProposalConfig, propose
 from policies.retries import RetryConfig, Rollback, may_roll_back
 
 PROPOSAL = models.table_of(models.Proposal)
@@ -35,6 +33,8 @@ ACK = models.table_of(models.DirectiveAck)
 INCARNATION = models.table_of(models.Incarnation)
 FINDING = models.table_of(models.FindingRow)
 RUN = models.table_of(models.Run)
+RESUME = models.table_of(models.ResumeEvent)
+AUDIT = models.table_of(models.AuditEntry)
 
 LIVE_STATUSES = ("pending", "approved", "executing", "escalated")
 # How many windows' batch ids a skip proposal may name.
@@ -45,9 +45,9 @@ MAX_SKIP_WINDOWS = 8
 class DecisionConfig:
     """The workflow's settings.
 
-    ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default), so a
-    directive's step must be at least that far ahead; ``margin`` 2 doubles it for the
-    sender's own delay.
+    ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default) unless
+    their run-start config says otherwise, so a directive's step must be at least that far
+    ahead; ``margin`` 2 doubles it for the sender's own delay.
     """
 
     proposals: ProposalConfig = field(default_factory=ProposalConfig)
@@ -372,12 +372,8 @@ class Decisions:
         self, connection: Connection, row: Any, actor: str, now: float, after_step: int | None = None
     ) -> int:
         """A rollback directive that names the step at which every rank acts."""
-        highest = max(self._highest_step(connection, row["run_id"]), after_step or 0)
-        step = act_at_step(
-            highest,
-            self._step_time(connection, row["run_id"]),
-            self._config.poll_interval_s,
-            self._config.margin,
+        step = directives.directive_step(
+            connection, row["run_id"], self._config.poll_interval_s, self._config.margin, after_step or 0
         )
         avoid = [d for d in (row["quarantine_device"],) if d]
         directive_id = directives.create_directive(
@@ -413,18 +409,6 @@ class Decisions:
             details={"kind": "rollback", "act_at_step": step, "proposal": row["id"]},
         )
         return directive_id
-
-    def _step_time(self, connection: Connection, run_id: int) -> float:
-        times = sorted(
-            connection.execute(
-                sa.select(SUMMARY.c.last_time)
-                .where(SUMMARY.c.run_id == run_id)
-                .order_by(SUMMARY.c.id.desc())
-                .limit(50)
-            ).scalars()
-        )
-        gaps = [b - a for a, b in pairwise(times) if b > a]
-        return statistics.median(gaps) if gaps else 0.0
 
     # --- executing -------------------------------------------------------------------------
 
@@ -480,6 +464,26 @@ class Decisions:
             self._finish(connection, directive, proposal_id, "failed", now)
         elif len({a.rank for a in acks}) >= self._world(connection, run_id, acks):
             self._finish(connection, directive, proposal_id, "done", now)
+
+    def _all_resumed(self, connection: Connection, run_id: int, incarnation: str, proposal: Any) -> bool:
+        """Every rank of the new incarnation has said what it restored, and this resume was not
+        judged yet (resume records arrive in several batches)."""
+        resumed = connection.execute(
+            sa.select(sa.func.count())
+            .select_from(RESUME)
+            .where(RESUME.c.run_id == run_id, RESUME.c.incarnation == incarnation)
+        ).scalar_one()
+        world = connection.execute(
+            sa.select(INCARNATION.c.world_size).where(
+                INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation == incarnation
+            )
+        ).scalar()
+        judged = connection.execute(
+            sa.select(AUDIT.c.seq)
+            .where(AUDIT.c.action == "resume_verified", AUDIT.c.subject == f"proposal:{proposal['id']}")
+            .limit(1)
+        ).first()
+        return judged is None and resumed >= (world or 1)
 
     def _settle_simple(self, connection: Connection, run_id: int, directive: Any) -> None:
         """A directive without a workflow behind it (stack dumps, canaries) is done once every
@@ -563,7 +567,7 @@ class Decisions:
                 .mappings()
                 .first()
             )
-            if done is None:
+            if done is None or not self._all_resumed(connection, run_id, incarnation, done):
                 return
             problems = connection.execute(
                 sa.select(FINDING.c.kind, FINDING.c.message).where(

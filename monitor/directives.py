@@ -7,16 +7,21 @@ that must act at one step on every rank name ``act_at_step``.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor import models
+from policies.proposals import act_at_step
 
 DIRECTIVE = models.table_of(models.Directive)
 ACK = models.table_of(models.DirectiveAck)
+SUMMARY = models.table_of(models.StepSummary)
+INCARNATION = models.table_of(models.Incarnation)
 
 KINDS = ("dump_stacks",)
 
@@ -92,3 +97,36 @@ def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int
     if incident_id is not None:
         query = query.where(DIRECTIVE.c.incident_id == incident_id)
     return connection.execute(query.limit(1)).first() is not None
+
+
+def directive_step(
+    connection: Connection, run_id: int, default_poll_s: float, margin: float, after_step: int = 0
+) -> int:
+    """The step at which every rank of a run acts: ahead of the newest step reported by the
+    polling delay (the hooks tell their poll interval and agreement period in the run-start
+    config; ``default_poll_s`` otherwise) measured in the run's own step time."""
+    highest = int(
+        connection.execute(sa.select(sa.func.max(SUMMARY.c.step)).where(SUMMARY.c.run_id == run_id)).scalar()
+        or 0
+    )
+    times = sorted(
+        connection.execute(
+            sa.select(SUMMARY.c.last_time)
+            .where(SUMMARY.c.run_id == run_id)
+            .order_by(SUMMARY.c.id.desc())
+            .limit(50)
+        ).scalars()
+    )
+    gaps = [b - a for a, b in pairwise(times) if b > a]
+    config = connection.execute(
+        sa.select(INCARNATION.c.config)
+        .where(INCARNATION.c.run_id == run_id, INCARNATION.c.config.is_not(None))
+        .order_by(INCARNATION.c.id.desc())
+        .limit(1)
+    ).scalar()
+    hook = (config or {}).get("runhealth_hook") or {}
+    poll_s = float(hook.get("directive_poll_s") or default_poll_s)
+    # The ranks agree one agreement period late, at most two periods after the step.
+    agreement = 2 * int(hook.get("agree_every") or 1)
+    step_time = statistics.median(gaps) if gaps else 0.0
+    return act_at_step(max(highest, after_step), step_time, poll_s, margin) + agreement

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor import audit, models
-from policies.incidents import GroupingConfig, extend, matching_incident, open_incident
+from policies.incidents import RESOLVES, GroupingConfig, extend, matching_incident, open_incident, scope_of
 from policies.types import Finding, IncidentView, Severity
 
 INCIDENT = models.table_of(models.Incident)
@@ -46,7 +46,9 @@ class IncidentRecorder:
         touched: list[int] = []
         for finding in findings:
             incident_id = None
-            if finding.severity is not Severity.INFO:
+            if finding.kind in RESOLVES:
+                incident_id = self._resolve(connection, run_id, opened, finding, now)
+            elif finding.severity is not Severity.INFO:
                 incident_id = self._attach(connection, run_id, opened, finding, detected_step, now)
                 touched.append(incident_id)
             connection.execute(FINDING.insert(), finding_row(run_id, incident_id, finding, now))
@@ -68,6 +70,28 @@ class IncidentRecorder:
                     )
                 )
         return sorted(set(touched))
+
+    def _resolve(
+        self, connection: Connection, run_id: int, opened: dict[int, _Open], finding: Finding, now: float
+    ) -> int | None:
+        """Close the open incident this finding says is over (a straggler that recovered)."""
+        kind, scope = RESOLVES[finding.kind], scope_of(finding)
+        for key, item in list(opened.items()):
+            if item.view.kind == kind and item.view.scope == scope:
+                close_incident(connection, key, now)
+                audit.append(
+                    connection,
+                    actor="engine",
+                    action="incident_resolved",
+                    subject=f"incident:{key}",
+                    now=now,
+                    run_id=run_id,
+                    incident_id=key,
+                    reason=finding.message,
+                )
+                del opened[key]
+                return key
+        return None
 
     def _open_incidents(self, connection: Connection, run_id: int) -> dict[int, _Open]:
         rows = connection.execute(

@@ -36,6 +36,9 @@ INCIDENT_KIND_OF_FINDING = {
 # steps are two incidents, each with its own quarantine decision.
 SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank", "canary": "device"}
 
+# A finding of the first kind resolves the open incident of the second kind in its scope.
+RESOLVES = {"straggler_recovered": "straggler"}
+
 # An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
 # level shift. Each entry: (current kind, finding's incident kind) -> refined kind.
 REFINEMENTS = {("spike", "level_shift"): "level_shift"}
@@ -71,7 +74,7 @@ def _joins(incident_kind_now: str, finding_incident_kind: str) -> bool:
 
 def scope_of(finding: Finding) -> str | None:
     """The device, port or rank an incident of this finding's kind is about, if any."""
-    attribute = SCOPED_KINDS.get(incident_kind(finding.kind))
+    attribute = SCOPED_KINDS.get(RESOLVES.get(finding.kind) or incident_kind(finding.kind))
     if attribute is None:
         return None
     value = getattr(finding, attribute)

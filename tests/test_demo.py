@@ -1,4 +1,5 @@
-"""The main job: a real small training on the CPU, one corrupted batch, caught."""
+"""The main job: four ranks train a small model; a bad batch and a failing device are caught,
+diagnosed and recovered from through the real CLI."""
 
 import json
 from pathlib import Path
@@ -7,22 +8,38 @@ import pytest
 
 from monitor.cli import main
 
+pytestmark = pytest.mark.slow
 
-def test_demo_catches_the_corrupted_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    db = tmp_path / "demo.db"
+
+def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "--db", str(db), "--json"])
+        main(["demo", "--db", str(tmp_path / "demo.db"), "--json"])
     assert exit_info.value.code in (0, None)
     result = json.loads(capsys.readouterr().out)
-    assert result["caught"] is True
     spikes = [i for i in result["incidents"] if i["kind"] == "spike"]
-    assert [i["first_step"] for i in spikes] == [result["corrupt_step"]]
-    # nothing else in a healthy run: no incident before the corrupted step
-    assert all(i["first_step"] >= result["corrupt_step"] for i in result["incidents"])
+    assert [(i["first_step"], i["ranks"], i["status"]) for i in spikes] == [(150, [1], "resolved")]
+    assert result["recovered_incident"] == "resolved" and len(result["stopped_at"]) == 1
+    for action in (
+        "proposed",
+        "replay_verdict",
+        "approved",
+        "directive",
+        "rollback_executed",
+        "resume_verified",
+    ):
+        assert action in result["story"]
+    data = next(p for p in result["proposals"] if p["verdict"] == "data")
+    assert data["status"] == "done" and data["skip_batches"] == ["r1-b149"] and data["target"]["step"] == 125
+    assert data["decided_by"].startswith("oncall-")
+    hardware = next(p for p in result["proposals"] if p["verdict"] == "hardware")
+    assert hardware["quarantine"]["node"] == "node-2" and hardware["status"] == "pending"
+    assert result["audit_ok"]
     assert result["seconds"] < 120
 
 
-def test_demo_rejects_a_corrupt_step_inside_warm_up(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_demo_rejects_a_corrupt_step_inside_warm_up(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--corrupt-step", "10"])
     assert exit_info.value.code == 2

@@ -196,15 +196,40 @@ class Fleet:
         return records + [record for reader in self.links for record in reader.sample()]
 
 
+@dataclass
+class _Trainer:
+    """The demo's character-level transformer, its optimizer and warm-up schedule."""
+
+    torch: Any
+    task: Any
+    model: Any = None
+    optimizer: Any = None
+    schedule: Any = None
+
+    def __post_init__(self) -> None:
+        self.model = self.task.model()
+        self.optimizer = self.torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
+        self.schedule = self.torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / 20)
+        )
+
+    def batch(self, step: int) -> tuple[Any, Any, list[str]]:
+        tokens = self.task.batch(0, step, None)["tokens"]
+        return tokens[:, :-1], tokens[:, 1:], [f"s{step}-{row}" for row in range(len(tokens))]
+
+
 class Training:
     """The demo's model and data as four data-parallel ranks in one process, with a gradient
     scaler as a mixed-precision run has (its scale and skips are what the ranks report)."""
 
     def __init__(self, root: Path) -> None:
-        from monitor.demo import DemoConfig, Trainer
+        import torch
 
-        self.trainer = Trainer(DemoConfig(steps=STEPS, corrupt_step=CORRUPT_STEP, seq_len=32, batch_size=8))
-        self.torch = self.trainer.torch
+        from monitor.demo.tasks import TextTask
+
+        self.task = TextTask(length=32, rows=8)
+        self.trainer = _Trainer(torch, self.task)
+        self.torch = torch
         # One thread: the service and Prometheus share these cores, and spinning threads that wait
         # for a core make a step take ten times as long.
         self.torch.set_num_threads(1)

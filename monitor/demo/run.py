@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import sqlalchemy as sa
@@ -87,6 +87,13 @@ class Demo:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.admin = secrets.token_urlsafe(24)
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[bytes]] = []
+
+    def _log(self, name: str) -> IO[bytes]:
+        """A log file a child writes to; closed by ``stop``."""
+        handle = (self.workdir / name).open("ab")
+        self.logs.append(handle)
+        return handle
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -110,7 +117,7 @@ class Demo:
             "--port-file",
             str(port_file),
         ]
-        log = open(self.workdir / "serve.log", "ab")
+        log = self._log("serve.log")
         self.service = subprocess.Popen(
             command, env=_environ(RUNHEALTH_ADMIN_TOKEN=self.admin), stdout=log, stderr=log
         )
@@ -181,7 +188,7 @@ class Demo:
                 "--out",
                 str(self.workdir / "results"),
             ]
-            log = open(self.workdir / f"rank-{rank}.log", "ab")
+            log = self._log(f"rank-{rank}.log")
             self.processes.append(subprocess.Popen(command, env=environ, stdout=log, stderr=log))
 
     # --- the operator ------------------------------------------------------------------------
@@ -293,6 +300,8 @@ class Demo:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait(5)
+        for handle in self.logs:
+            handle.close()
         if hasattr(self, "engine"):
             self.engine.dispose()
 
