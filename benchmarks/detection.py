@@ -4,7 +4,7 @@ Per kind: recall (positive cases caught), false incidents per 100,000 clean step
 detection delay in steps (and in logged rows, for sparse excerpts) from the label's first
 step to the step of the first finding of the incident that caught it.
 
-    python benchmarks/detection.py [--only real]
+    python benchmarks/detection.py [--only real|scenarios|all] [--scenario NAME] [--cases]
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from realcurves import Case, bigscience_cases, clean_controls  # noqa: E402
+from realcurves import Case, bigscience_cases, clean_controls
+from scenarios import Outcome, run_corpus
 
-from policies.replay import replay_series  # noqa: E402
-from policies.series import SeriesConfig  # noqa: E402
+from policies.replay import replay_series
+from policies.series import SeriesConfig
 
 
 def score_case(case: Case, config: SeriesConfig) -> dict[str, Any]:
@@ -60,6 +61,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for row in rows:
         if row["positive"]:
             by_kind[row["kind"]].append(row)
+    # Clean steps: the clean runs, plus the steps of fault runs before their fault.
     clean_steps = sum(r["steps"] for r in rows if not r["positive"])
     false = sum(len(r["false_incidents"]) for r in rows)
     kinds = {}
@@ -71,6 +73,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "delay_steps_median": statistics.median(delays) if delays else None,
             "delay_steps_max": max(delays) if delays else None,
         }
+        timeouts = [c["delay_timeouts"] for c in cases if c.get("delay_timeouts") is not None]
+        if timeouts:
+            kinds[kind]["delay_learned_timeouts_max"] = max(timeouts)
     return {
         "positive_cases": sum(len(c) for c in by_kind.values()),
         "caught": sum(bool(c.get("caught")) for cs in by_kind.values() for c in cs),
@@ -78,22 +83,69 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "false_incidents": false,
         "false_incidents_per_100k_clean_steps": round(1e5 * false / clean_steps, 3) if clean_steps else None,
         "by_kind": kinds,
+        "errors": [r["case"] for r in rows if r.get("error")],
     }
+
+
+def score_scenario(outcome: Outcome) -> dict[str, Any]:
+    """A planted fault is caught by an incident of its kind opened at or after its first
+    evidence; every other incident is false."""
+    scenario = outcome.scenario
+    caught = None
+    false = []
+    for incident in outcome.incidents:
+        evidence_step = scenario.first_evidence
+        if (
+            scenario.kind
+            and caught is None
+            and incident["kind"] == scenario.kind
+            and incident["last_step"] >= evidence_step - 1
+        ):
+            caught = incident
+        else:
+            false.append({"kind": incident["kind"], "first_step": incident["first_step"]})
+    row: dict[str, Any] = {
+        "case": scenario.name,
+        "kind": scenario.kind or "clean",
+        "positive": scenario.kind is not None,
+        "split": scenario.split,
+        "steps": outcome.steps,
+        "world": scenario.world,
+        "false_incidents": false,
+        "error": outcome.error,
+    }
+    if scenario.kind:
+        row["caught"] = caught is not None
+        if caught is not None:
+            detected = (
+                caught["detected_step"] if caught["detected_step"] is not None else caught["first_step"]
+            )
+            row["delay_steps"] = max(0, detected - scenario.first_evidence)
+            row["first_step"] = caught["first_step"]
+        if scenario.hang and outcome.hang_detected_after_s is not None and outcome.hang_timeout_s:
+            row["delay_timeouts"] = round(outcome.hang_detected_after_s / outcome.hang_timeout_s, 2)
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["real"], default="real")
+    parser.add_argument("--only", choices=["real", "scenarios", "all"], default="all")
+    parser.add_argument("--scenario", default=None, help="run only scenarios whose name contains this")
     parser.add_argument("--cases", action="store_true", help="print every case, not only the summary")
     args = parser.parse_args()
     config = SeriesConfig()
-    corpora = {"real_curves": clean_controls() + bigscience_cases()}
     report: dict[str, Any] = {}
-    for name, cases in corpora.items():
-        rows = [score_case(case, config) for case in cases]
-        report[name] = {"summary": summarize(rows)}
-        if args.cases:
-            report[name]["cases"] = rows
+    if args.only in ("real", "all"):
+        rows = [score_case(case, config) for case in clean_controls() + bigscience_cases()]
+        report["real_curves"] = {"summary": summarize(rows), **({"cases": rows} if args.cases else {})}
+    if args.only in ("scenarios", "all"):
+        rows = [score_scenario(outcome) for outcome in run_corpus(args.scenario)]
+        for split in ("dev", "holdout"):
+            mine = [r for r in rows if r["split"] == split]
+            report[f"scenarios_{split}"] = {
+                "summary": summarize(mine),
+                **({"cases": mine} if args.cases else {}),
+            }
     print(json.dumps(report, indent=2))
 
 

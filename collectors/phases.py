@@ -2,8 +2,8 @@
 
 ``enter`` is called from the training thread at each phase change. It replaces one immutable
 ``PhaseState`` (a single reference assignment, so the sender thread always reads a consistent
-pair) and stamps the change: with a CUDA event on a GPU, with the ``perf_counter`` reading it
-already took on the CPU. A window's stamps are read for its timings only once the window's ring
+pair) and stamps the change: with a CUDA event on a GPU, with the thread's CPU time on the CPU
+(``CpuStamps`` says why). A window's stamps are read for its timings only once the window's ring
 slot completed, so its events have completed too (same stream, recorded earlier).
 """
 
@@ -56,6 +56,22 @@ class WallStamps:
         return None
 
 
+class CpuStamps:
+    """CPU: the training thread's CPU time. On a GPU the device's own clock times its work; on
+    the CPU the thread's CPU time is that clock's analog: a rank the OS gives less of a shared
+    core is not a slow device, and time blocked in a collective (gloo waits, it does not spin)
+    is not compute. Data wait is wall time, measured apart (``RunHealth.windows``)."""
+
+    def stamp(self, now: float) -> float:
+        return time.thread_time()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def release(self, stamps: list[Any]) -> None:
+        return None
+
+
 class CudaStamps:
     """GPU: a timing event recorded on the current stream (no sync); events are pooled, since
     creating one per phase change would cost more than recording it."""
@@ -76,7 +92,7 @@ class CudaStamps:
 
 
 def stamps_for(device_type: str) -> Stamps:
-    return CudaStamps() if device_type == "cuda" else WallStamps()
+    return CudaStamps() if device_type == "cuda" else CpuStamps()
 
 
 class PhaseMarks(NamedTuple):
@@ -101,7 +117,8 @@ class PhaseClock:
 
     def __init__(self, stamps: Stamps, max_marks: int, wall: Callable[[], float] = time.time) -> None:
         self.stamps = stamps
-        self.host_timed = isinstance(stamps, WallStamps)  # stamps complete when taken
+        self.host_timed = isinstance(stamps, WallStamps | CpuStamps)  # stamps complete when taken
+        self._wall = isinstance(stamps, WallStamps)  # the perf_counter reading is the stamp
         self._max_marks = max_marks
         self._marks: list[tuple[Phase, Any]] = []
         self._overflow = False
@@ -116,7 +133,7 @@ class PhaseClock:
         now = time.perf_counter()
         self.state = PhaseState(phase, now)
         if len(self._marks) < self._max_marks:
-            self._marks.append((phase, now if self.host_timed else self.stamps.stamp(now)))
+            self._marks.append((phase, now if self._wall else self.stamps.stamp(now)))
         else:
             self._overflow = True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from monitor.actions import ActionConfig
 from monitor.canaries import CanaryServiceConfig
@@ -11,20 +12,30 @@ from monitor.decisions import DecisionConfig
 from monitor.engine import EngineConfig
 from monitor.metrics.config import MetricsConfig
 from policies.devices import DevicesConfig
+from policies.hangs import HangConfig
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+def _number(environ: Mapping[str, str], name: str, default: float, kind: type[int] | type[float]) -> Any:
     raw = environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{name} must be {what}, got {raw!r}") from exc
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    return int(_number(environ, name, default, int))
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    return float(_number(environ, name, default, float))
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,12 @@ class ServiceConfig:
             admin_token=environ.get("RUNHEALTH_ADMIN_TOKEN") or None,
             decisions=DecisionConfig(actions=ActionConfig.from_environ(environ)),
             metrics=MetricsConfig.from_environ(environ),
+            engine=EngineConfig(
+                hangs=HangConfig(
+                    min_timeout_s=_float(environ, "RUNHEALTH_HANG_MIN_TIMEOUT_S", HangConfig.min_timeout_s),
+                    heartbeat_interval_s=_float(environ, "RUNHEALTH_HEARTBEAT_S", HangConfig.heartbeat_interval_s),
+                )
+            ),
             ingest=IngestConfig(
                 max_batch_bytes=_int(environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes),
                 max_batch_records=_int(

@@ -53,6 +53,8 @@ class EngineConfig:
     slack for ranks that finish a step late, one more for the sender's batching).
     ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
     does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
+    ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
+    work, so a backlog never holds SQLite's write lock near its 10 s busy timeout).
     """
 
     series: SeriesConfig = field(default_factory=SeriesConfig)
@@ -61,10 +63,11 @@ class EngineConfig:
     hangs: HangConfig = field(default_factory=HangConfig)
     watermark_attempts: int = 2
     cached_windows: int = 1024
+    judge_chunk: int = 256
 
     def __post_init__(self) -> None:
-        if self.watermark_attempts < 1 or self.cached_windows < 1:
-            raise ValueError("EngineConfig: watermark_attempts >= 1, cached_windows >= 1")
+        if self.watermark_attempts < 1 or self.cached_windows < 1 or self.judge_chunk < 1:
+            raise ValueError("EngineConfig: watermark_attempts, cached_windows and judge_chunk must be >= 1")
 
 
 def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
@@ -145,18 +148,23 @@ class PolicyEngine:
 
     def judge(self, run_id: int) -> list[int]:
         """Judge every ready window of one run; returns the incidents opened or updated."""
-        with self._lock, self._engine.begin() as connection:
-            state = self._state(connection, run_id)
-            ready = self._ready(connection, run_id, state)
-            touched: list[int] = []
-            for summary in ready:
-                findings = self._judge_window(connection, run_id, state, summary)
-                touched += self.incidents.record(connection, run_id, findings, summary["step"])
-            if ready:
-                connection.execute(
-                    SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in ready])).values(judged=True)
-                )
-            return sorted(set(touched))
+        touched: list[int] = []
+        with self._lock:
+            with self._engine.connect() as connection:
+                state = self._state(connection, run_id)
+                ready = self._ready(connection, run_id, state)
+            # A transaction per chunk: a backlog (a spool replayed, a skip storm) must not hold
+            # the store's write lock for long, or ingest waits behind it.
+            for start in range(0, len(ready), self._config.judge_chunk):
+                chunk = ready[start : start + self._config.judge_chunk]
+                with self._engine.begin() as connection:
+                    for summary in chunk:
+                        findings = self._judge_window(connection, run_id, state, summary)
+                        touched += self.incidents.record(connection, run_id, findings, summary["step"])
+                    connection.execute(
+                        SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in chunk])).values(judged=True)
+                    )
+        return sorted(set(touched))
 
     def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
         """Records whose window was judged before they arrived (replayed from a spool): judged

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.continuity import (
     ContinuityConfig,
@@ -48,6 +48,8 @@ def observe_step(
     state: SeriesState, point: StepPoint, config: SeriesConfig
 ) -> tuple[SeriesState, tuple[Finding, ...]]:
     """Judge one step of the run; return the new state and what was found."""
+    if point.restart:
+        state = rewound(state, point.step)
     window = state.loss_spike.window
     level_before = window.median() if len(window) else None
     continuity, resumed = observe_continuity(state.continuity, point, level_before, config.continuity)
@@ -62,3 +64,13 @@ def observe_step(
     numerics, numeric = observe_numerics(state.numerics, point, config.numerics)
     findings = numeric + resumed + spikes + grad_spikes + normalization_findings(point, config.normalization)
     return SeriesState(loss_spike, grad_norm_spike, numerics, continuity), findings
+
+
+def rewound(state: SeriesState, step: int) -> SeriesState:
+    """The series as it stood before ``step``: a resume from an earlier checkpoint (a rollback)
+    returns to a higher loss than the abandoned steps reached, and that is not a spike."""
+    return replace(
+        state,
+        loss_spike=SpikeState(window=state.loss_spike.window.before(step)),
+        grad_norm_spike=SpikeState(window=state.grad_norm_spike.window.before(step)),
+    )

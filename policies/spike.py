@@ -122,21 +122,21 @@ def observe_spike(
         return state, ()
     window = state.window
     if len(window) < config.cold_min_points:
-        return replace(state, window=window.push(value), flagged=()), ()
+        return replace(state, window=window.push(value, point.step), flagged=()), ()
     center, allowed, warm = _allowed_excess(window, config)
     threshold = center + allowed
     if value <= threshold:
-        return SpikeState(window=window.push(value)), ()
+        return SpikeState(window=window.push(value, point.step)), ()
     flagged = (*state.flagged, (point.step, value))
     severity = Severity.CRITICAL if value - center >= config.critical_factor * allowed else Severity.WARNING
     spike = _finding(point, signal, "spike", severity, raw, threshold, center, window, warm, config)
     if len(flagged) < config.shift_after:
-        return SpikeState(window=window.push(threshold), flagged=flagged), (spike,)
+        return SpikeState(window=window.push(threshold, point.step), flagged=flagged), (spike,)
     shift = _level_shift(point, signal, flagged, center, threshold, window, config)
     # Rebuild around the new level: the old normal no longer describes this run.
     rebuilt = RobustWindow(config.window)
-    for _, shifted in flagged:
-        rebuilt = rebuilt.push(shifted)
+    for step, shifted in flagged:
+        rebuilt = rebuilt.push(shifted, step)
     return SpikeState(window=rebuilt), (spike, shift)
 
 

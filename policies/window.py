@@ -20,15 +20,30 @@ class RobustWindow:
     capacity: int
     values: tuple[float, ...] = ()
     ordered: tuple[float, ...] = ()
+    steps: tuple[int, ...] = ()
+    """The step each value came from (-1 where none was given), for ``before``."""
 
-    def push(self, value: float) -> RobustWindow:
-        values, ordered = self.values, list(self.ordered)
+    def push(self, value: float, step: int = -1) -> RobustWindow:
+        values, ordered, steps = self.values, list(self.ordered), self.steps
         if len(values) >= self.capacity:
             oldest = values[0]
             del ordered[bisect.bisect_left(ordered, oldest)]
-            values = values[1:]
+            values, steps = values[1:], steps[1:]
         bisect.insort(ordered, value)
-        return RobustWindow(self.capacity, (*values, value), tuple(ordered))
+        return RobustWindow(self.capacity, (*values, value), tuple(ordered), (*steps, step))
+
+    def before(self, step: int) -> RobustWindow:
+        """Only the values from steps before ``step``: a run resumed from an older checkpoint
+        abandoned the steps it had gone past, and they no longer describe its history."""
+        kept = [(v, s) for v, s in zip(self.values, self.steps, strict=True) if s < step]
+        if len(kept) == len(self.values):
+            return self
+        return RobustWindow(
+            self.capacity,
+            tuple(v for v, _ in kept),
+            tuple(sorted(v for v, _ in kept)),
+            tuple(s for _, s in kept),
+        )
 
     def __len__(self) -> int:
         return len(self.values)

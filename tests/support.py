@@ -23,8 +23,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from monitor.directives import create_directive
 from monitor import cli, queries
+from monitor.directives import create_directive
 from monitor.models import Base
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")

@@ -560,3 +560,14 @@ def test_reads_need_the_runs_own_token(
     assert client.get(f"/v1/runs/{run.name}/{what}").status_code == 401
     assert client.get(f"/v1/runs/{run.name}/{what}", headers=other.headers).status_code == 403
     assert client.get(f"/v1/runs/{run.name}/{what}", headers=run.headers).status_code == 200
+
+
+def test_service_config_reads_hang_timing_from_the_environment() -> None:
+    from monitor.config import ConfigError
+
+    config = ServiceConfig.from_environ({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "12.5", "RUNHEALTH_HEARTBEAT_S": "0.5"})
+    assert config.engine.hangs.min_timeout_s == 12.5
+    assert config.engine.hangs.heartbeat_interval_s == 0.5
+    assert ServiceConfig.from_environ({}).engine == ServiceConfig().engine
+    with pytest.raises(ConfigError, match="RUNHEALTH_HANG_MIN_TIMEOUT_S must be a number"):
+        ServiceConfig.from_environ({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "soon"})

@@ -126,7 +126,7 @@ def test_unreadable_inputs_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(BacktestError, match="no such file"):
         run_file(tmp_path / "missing.csv")
     (tmp_path / "x.parquet").write_bytes(b"x")
-    with pytest.raises(BacktestError, match="expected a .csv"):
+    with pytest.raises(BacktestError, match=r"expected a \.csv"):
         run_file(tmp_path / "x.parquet")
     with pytest.raises(BacktestError, match="SRC=FIELD"):
         parse_mapping(["lm_loss"])

@@ -195,7 +195,7 @@ def test_user_errors_are_one_line_and_exit_2(
     store: Path, tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = [a.format(db=store, fresh=tmp_path / "fresh.db") for a in args]
-    code, out, err = cli(capsys, *args)
+    code, _out, err = cli(capsys, *args)
     assert code == 2
     assert err.startswith("runhealth: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err

@@ -27,7 +27,7 @@ from collectors import (
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
 from collectors.markers import WallMarker
-from collectors.phases import Phase, PhaseClock, PhaseMarks, WallStamps
+from collectors.phases import CpuStamps, Phase, PhaseClock, PhaseMarks, WallStamps, stamps_for
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -283,7 +283,9 @@ def test_run_start_and_finish_from_rank_zero(tmp_path: Path, transport: Recordin
     (start,) = transport.records("run_start")
     (finish,) = transport.records("run_finish")
     assert start["world_size"] == 1 and start["layout"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    hook_settings = start["config"].pop("runhealth_hook")
     assert start["config"] == {"lr": 0.1, "bad": "NaN"}
+    assert hook_settings["agree_every"] >= 1 and hook_settings["directive_poll_s"] > 0
     assert start["incarnation"] == finish["incarnation"] == rh.incarnation
     assert finish["status"] == "completed"
 
@@ -516,6 +518,24 @@ def test_a_window_with_too_many_phase_changes_reports_unknown_timings() -> None:
         clock.enter(phase)
     assert clock.take_window().durations(WallStamps()) is None
     assert PhaseMarks((), complete=True).durations(WallStamps()) is None
+
+
+def test_cpu_phases_count_the_threads_work_not_time_spent_blocked() -> None:
+    # On the CPU a rank that waits in a collective or for a shared core is not a slow device.
+    assert isinstance(stamps_for("cpu"), CpuStamps)
+    stamps = CpuStamps()
+    clock = PhaseClock(stamps, max_marks=8)
+    clock.enter(Phase.FORWARD)
+    busy_until = time.thread_time() + 0.03  # a loaded machine stretches this in wall time
+    while time.thread_time() < busy_until:
+        pass
+    clock.enter(Phase.BACKWARD)
+    time.sleep(0.1)
+    clock.enter(Phase.DATA)
+    spent = clock.take_window().durations(stamps)
+    assert spent is not None
+    assert spent[Phase.FORWARD] >= 0.03
+    assert spent[Phase.BACKWARD] < 0.02
 
 
 # Layout, configuration, packaging.

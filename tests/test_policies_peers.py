@@ -50,7 +50,8 @@ def test_groups_are_replicas_of_one_shard() -> None:
     assert list(RankWindow.from_records(records(1, ranks=2)).peer_groups()) == []
 
 
-def run_rank_loss(windows: list[list[dict]], config: RankLossConfig = RankLossConfig()) -> list[list]:
+def run_rank_loss(windows: list[list[dict]], config: RankLossConfig | None = None) -> list[list]:
+    config = config or RankLossConfig()
     state, out = RankLossState.empty(config), []
     for w in windows:
         state, found = observe_rank_loss(state, RankWindow.from_records(w), config)
@@ -81,7 +82,8 @@ def test_two_ranks_cannot_tell_which_is_off() -> None:
     assert all(f == () for f in found)
 
 
-def run_stragglers(windows: list[list[dict]], config: StragglerConfig = StragglerConfig()):
+def run_stragglers(windows: list[list[dict]], config: StragglerConfig | None = None):
+    config = config or StragglerConfig()
     state, out = StragglerState(), []
     for w in windows:
         state, found = observe_stragglers(state, RankWindow.from_records(w), config)
@@ -91,7 +93,7 @@ def run_stragglers(windows: list[list[dict]], config: StragglerConfig = Straggle
 
 @pytest.mark.parametrize("slowdown", [1.10, 1.15, 1.30])
 def test_a_slow_rank_is_flagged_once_within_fifty_windows(slowdown: float) -> None:
-    state, found = run_stragglers([records(s, slow={3: slowdown}) for s in range(1, 80)])
+    _state, found = run_stragglers([records(s, slow={3: slowdown}) for s in range(1, 80)])
     flagged = [(i + 1, f.rank) for i, fs in enumerate(found) for f in fs]
     assert len(flagged) == 1
     step, rank = flagged[0]

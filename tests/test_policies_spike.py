@@ -153,3 +153,24 @@ def test_authored_preset_is_median_plus_three_sigma_over_fifty() -> None:
     assert (authored.window, authored.warmup, authored.z, authored.min_relative) == (50, 50, 3.0, 0.0)
     state = warmed(noisy(49), authored)
     assert observe_spike(state, StepPoint(step=49, loss=1e6), "loss", authored)[1] == ()
+
+
+def test_a_rollback_is_judged_against_the_history_it_returned_to() -> None:
+    from policies.series import SeriesConfig, SeriesState, observe_step
+
+    config = SeriesConfig()
+    state = SeriesState.empty(config)
+    # The loss falls from 3.0 toward 1.0 over 600 steps (the demo waits that long for an
+    # approval); the run then resumes from its checkpoint at step 125.
+    def loss(step: int) -> float:
+        return 1.0 + 2.0 * math.exp(-step / 150)
+
+    for step in range(1, 601):
+        state, found = observe_step(state, StepPoint(step=step, loss=loss(step)), config)
+        assert found == ()
+    after, found = observe_step(state, StepPoint(step=126, loss=loss(126), restart=True), config)
+    assert found == ()
+    assert max(after.loss_spike.window.steps) == 126
+    # Judged against the abandoned steps (no restart), the same loss is a spike.
+    _, found = observe_step(state, StepPoint(step=601, loss=loss(126)), config)
+    assert [f.kind for f in found] == ["loss_spike"]

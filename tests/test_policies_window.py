@@ -42,3 +42,14 @@ def test_push_returns_a_new_value() -> None:
     empty = RobustWindow(3)
     assert len(empty.push(1.0)) == 1
     assert len(empty) == 0
+
+
+def test_before_keeps_only_earlier_steps_and_stays_consistent() -> None:
+    window = RobustWindow(4)
+    for step, value in enumerate([5.0, 1.0, 4.0, 2.0, 3.0]):
+        window = window.push(value, step)
+    assert window.values == (1.0, 4.0, 2.0, 3.0) and window.steps == (1, 2, 3, 4)
+    earlier = window.before(3)
+    assert earlier.values == (1.0, 4.0) and earlier.ordered == (1.0, 4.0) and earlier.steps == (1, 2)
+    assert window.before(10) is window
+    assert len(window.before(0)) == 0

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from monitor import audit, queries
-from monitor.cli import main as cli_main
 from monitor.db import create_store_engine, resolve_url
 from monitor.decisions import list_proposals
 from monitor.operators import add_operator

@@ -4,10 +4,9 @@ import json
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor import models, queries
+from monitor import queries
 from monitor.config import ServiceConfig
 from monitor.directives import pending_for
 from monitor.engine import EngineConfig

@@ -90,6 +90,18 @@ def save(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any, meta:
     (path / "meta.json").write_text(json.dumps(meta))
 
 
+def checkpoint(
+    rh: RunHealth, path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any, cursor: int
+) -> None:
+    """Every rank calls this at the same step: rank 0 writes (DDP replicas are equal), all wait
+    for it, and each reports the checkpoint so the service knows every rank reached it."""
+    step, consumed = int(rh.progress["step"] or 0), int(rh.progress["consumed"] or 0)
+    if dist.get_rank() == 0:
+        save(path, net, optimizer, scheduler, {"step": step, "cursor": cursor, "consumed": consumed})
+    dist.barrier()
+    rh.checkpoint_saved(step, str(path), manifest=build_manifest(str(path), step, consumed))
+
+
 def restore(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
     net.load_state_dict(torch.load(path / "model.pt"))
     states = torch.load(path / "optim.pt")
@@ -165,20 +177,10 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                 optimizer.zero_grad(set_to_none=True)
                 time.sleep(args.step_sleep)
                 rh.window_end()  # the window's update counted now, so the checkpoint's step is right
-                step, consumed = int(rh.progress["step"] or 0), int(rh.progress["consumed"] or 0)
+                step = int(rh.progress["step"] or 0)
                 now["step"] = step
                 if step % args.checkpoint_every == 0:
-                    path = args.checkpoints / f"step-{step}-{len(rollbacks)}"
-                    if rank == 0:
-                        save(
-                            path,
-                            net,
-                            optimizer,
-                            scheduler,
-                            {"step": step, "cursor": cursor, "consumed": consumed},
-                        )
-                    dist.barrier()
-                    rh.checkpoint_saved(step, str(path), manifest=build_manifest(str(path), step, consumed))
+                    checkpoint(rh, args.checkpoints / f"step-{step}-{len(rollbacks)}", net, optimizer, scheduler, cursor)
                 after = resumed_at is not None and step >= resumed_at + args.after_rollback
                 if step >= args.max_steps or after or (step >= args.steps and not args.wait_rollback):
                     break
