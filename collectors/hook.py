@@ -885,6 +885,7 @@ class RunHealth:
                     "runhealth_hook": {
                         "directive_poll_s": self.config.directives.poll_interval_s,
                         "agree_every": self.config.hook.agree_every,
+                        "heartbeat_s": self.config.sender.heartbeat_interval_s,
                     },
                 }
             ),

@@ -84,13 +84,23 @@ class HangWatch:
                 )
             )
         ]
-        world = connection.execute(
-            sa.select(INCARNATION.c.world_size).where(
+        facts = connection.execute(
+            sa.select(INCARNATION.c.world_size, INCARNATION.c.config, INCARNATION.c.started_at).where(
                 INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation == incarnation
             )
-        ).scalar()
+        ).first()
+        world, config, started_at = (
+            (facts.world_size, facts.config, facts.started_at) if facts else (None, None, None)
+        )
         finding = hang_finding(
-            beats, world, now, self._timeout(connection, run_id, incarnation), incarnation, self._config
+            beats,
+            world,
+            now,
+            self._timeout(connection, run_id, incarnation),
+            incarnation,
+            self._config,
+            stated_heartbeat_s(config),
+            started_at,
         )
         key = (run_id, incarnation)
         if finding is None:
@@ -148,3 +158,10 @@ class HangWatch:
         for incident_id in open_hangs:
             close_incident(connection, incident_id, now)
         return list(open_hangs)
+
+
+def stated_heartbeat_s(run_config: Any) -> float | None:
+    """The heartbeat interval a run's hook states in its run_start record, if it is usable."""
+    hook = run_config.get("runhealth_hook") if isinstance(run_config, dict) else None
+    stated = hook.get("heartbeat_s") if isinstance(hook, dict) else None
+    return float(stated) if isinstance(stated, int | float) and stated > 0 else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from policies.types import Finding, Severity, StepPoint
 from policies.window import MAD_TO_SIGMA, RobustWindow
@@ -22,12 +23,18 @@ from policies.window import MAD_TO_SIGMA, RobustWindow
 class SpikeConfig:
     """Thresholds of the rolling spike rule for one signal.
 
-    Loss defaults measured on the real-curve development set (tests/data/real-curves) with
-    a 100-point window and a 50-point warm-up: the largest excursions of the two clean
-    controls are a robust z of 8.1 (+8.1%, Pythia-410M step 1355, an early-training bump)
-    and +11.1% at z 3.7 (Pythia step 1400); the Megatron 15B control peaks at z 4.6 / +4.2%.
-    ``z = 10`` with a 5% floor clears all of them with a margin, while the BigScience spikes
-    (loss x1.6 to x2.7 of the trailing median) clear it by far. The cold-start ratio (+30%)
+    Loss defaults measured on the real-curve development set (tests/data/real-curves) and
+    the scenario corpus (benchmarks/scenarios.py), with a 100-point window and a 50-point
+    warm-up. The spread is that of step-to-step changes (``noise="steps"``): the spread of
+    the values themselves counts a falling loss's fall as noise, and so missed a corrupted
+    batch at step 100 of a 1-rank scenario (x4.3 the trailing median) whose window still held
+    the early decline. Measured in step-noise units, the largest excursions of the clean
+    controls are z 11.0 (+11.1%, Pythia-410M step 1400, an early-training bump) and z 10.1
+    (+8.1%, step 1355); the Megatron 15B control never exceeds the 5% floor, the clean
+    scenarios peak at z 3.8, and the corrupted single-rank batches sit at z 18.9 and 29.9.
+    ``z = 14`` with a 5% floor lies between them; the BigScience spikes (loss x1.6 to x2.7
+    of the trailing median) clear it by far, with the same delays as the level spread at
+    z 10 (``benchmarks/detection.py --only real``). The cold-start ratio (+30%)
     is below every BigScience excerpt's jump (+38% to +165%) and above anything the clean
     controls do in their first 50 points. The reference text's authored heuristic (median +
     3 sigma over 50 steps) is ``SpikeConfig.authored()``; on the Pythia control alone it
@@ -36,7 +43,7 @@ class SpikeConfig:
 
     window: int = 100
     warmup: int = 50
-    z: float = 10.0
+    z: float = 14.0
     min_relative: float = 0.05
     critical_factor: float = 2.0
     """A spike whose excess over the median is this many times the allowed excess is critical."""
@@ -47,6 +54,9 @@ class SpikeConfig:
     stalled high for 20+ logged steps; the transient spikes there recover within 3-4)."""
     log_scale: bool = False
     """Judge log(value): for signals whose noise grows with their size (grad norms)."""
+    noise: Literal["level", "steps"] = "steps"
+    """The spread ``z`` counts in: ``steps`` (MAD of the window's step-to-step changes over
+    sqrt 2, blind to its trend) or ``level`` (MAD of its values)."""
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -57,11 +67,13 @@ class SpikeConfig:
             raise ValueError("SpikeConfig: z > 0, min_relative >= 0, critical_factor >= 1")
         if self.cold_min_points < 1 or self.cold_ratio <= 0 or self.shift_after < 2:
             raise ValueError("SpikeConfig: cold_min_points >= 1, cold_ratio > 0, shift_after >= 2")
+        if self.noise not in ("level", "steps"):
+            raise ValueError(f"SpikeConfig.noise must be 'level' or 'steps', got {self.noise!r}")
 
     @classmethod
     def authored(cls) -> SpikeConfig:
         """The reference text's "median plus three standard deviations over 50 steps"."""
-        return cls(window=50, warmup=50, z=3.0, min_relative=0.0, cold_ratio=1e9)
+        return cls(window=50, warmup=50, z=3.0, min_relative=0.0, cold_ratio=1e9, noise="level")
 
     @classmethod
     def grad_norm(cls) -> SpikeConfig:
@@ -70,9 +82,10 @@ class SpikeConfig:
         The development set has no clean grad-norm series (the Pythia and Megatron controls
         log only the loss), so these are conservative: a spike must be 4x the trailing
         median (the BigScience spikes are 9x to 4,000x) and beyond z 10 of the log's
-        spread; before warm-up, 10x.
+        spread (of its values: nothing measured says step changes serve better here); before
+        warm-up, 10x.
         """
-        return cls(min_relative=math.log(4.0), cold_ratio=math.log(10.0), log_scale=True)
+        return cls(z=10.0, min_relative=math.log(4.0), cold_ratio=math.log(10.0), log_scale=True, noise="level")
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,8 @@ def _allowed_excess(window: RobustWindow, config: SpikeConfig) -> tuple[float, f
         cold = config.cold_ratio * abs(center)
     if len(window) < config.warmup:
         return center, cold, False
-    return center, max(config.z * MAD_TO_SIGMA * window.mad(), floor), True
+    spread = window.step_mad() if config.noise == "steps" else window.mad()
+    return center, max(config.z * MAD_TO_SIGMA * spread, floor), True
 
 
 def observe_spike(

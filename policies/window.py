@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 # Scales a median absolute deviation to a standard deviation for normal noise.
 MAD_TO_SIGMA = 1.4826
+SQRT2 = 2.0**0.5
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,15 @@ class RobustWindow:
     def mad(self) -> float:
         center = self.median()
         return _median_sorted(sorted(abs(v - center) for v in self.ordered))
+
+    def step_mad(self) -> float:
+        """MAD of step-to-step changes, divided by sqrt(2): the noise of one value whatever
+        the slow trend of the window (a falling loss inflates ``mad`` with the fall itself)."""
+        if len(self.values) < 3:
+            return self.mad()
+        changes = sorted(b - a for a, b in zip(self.values, self.values[1:], strict=False))
+        center = _median_sorted(changes)
+        return _median_sorted(sorted(abs(c - center) for c in changes)) / SQRT2
 
 
 def _median_sorted(ordered: tuple[float, ...] | list[float]) -> float:

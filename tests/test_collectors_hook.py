@@ -286,6 +286,7 @@ def test_run_start_and_finish_from_rank_zero(tmp_path: Path, transport: Recordin
     hook_settings = start["config"].pop("runhealth_hook")
     assert start["config"] == {"lr": 0.1, "bad": "NaN"}
     assert hook_settings["agree_every"] >= 1 and hook_settings["directive_poll_s"] > 0
+    assert hook_settings["heartbeat_s"] == rh.config.sender.heartbeat_interval_s
     assert start["incarnation"] == finish["incarnation"] == rh.incarnation
     assert finish["status"] == "completed"
 

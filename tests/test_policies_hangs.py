@@ -2,7 +2,7 @@ import pytest
 
 from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
 
-CONFIG = HangConfig(min_timeout_s=10.0, heartbeat_interval_s=1.0)
+CONFIG = HangConfig(min_timeout_s=10.0, heartbeat_interval_s=1.0, min_silence_s=0.0)
 
 
 def beat(rank: int, phase: str = "forward", since: float = 95.0, heard: float = 99.5, step: int = 7) -> Beat:
@@ -56,3 +56,23 @@ def test_a_silent_rank_and_a_never_seen_rank_are_missing() -> None:
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         HangConfig(min_timeout_s=0)
+
+
+def test_silence_uses_the_runs_stated_heartbeat_with_a_floor() -> None:
+    config = HangConfig(heartbeat_interval_s=5.0, min_silence_s=10.0)
+    assert config.silence_s() == 15.0
+    assert config.silence_s(1.0) == 10.0  # three quick beats late is not silence yet
+    assert config.silence_s(20.0) == 60.0
+    beats = [beat(0), beat(1, heard=88.0)]  # 12 s since rank 1 was heard
+    assert hang_finding(beats, 2, 100.0, 30.0, "i", config, stated_heartbeat_s=1.0) is not None
+    assert hang_finding(beats, 2, 100.0, 30.0, "i", config, stated_heartbeat_s=5.0) is None
+
+
+def test_a_rank_not_yet_heard_at_start_up_is_not_missing_until_the_timeout() -> None:
+    beats = [beat(0), beat(1)]
+    assert (
+        hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG, started_at=95.0)
+        is None
+    )
+    late = hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG, started_at=85.0)
+    assert late is not None and [m["rank"] for m in late.evidence["missing"]] == [2]

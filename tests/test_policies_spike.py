@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 
@@ -23,7 +24,8 @@ def noisy(n: int, center: float = 2.0, spread: float = 0.01) -> list[float]:
 
 def threshold_of(state: SpikeState, config: SpikeConfig = CONFIG) -> float:
     center = state.window.median()
-    return center + max(config.z * MAD_TO_SIGMA * state.window.mad(), config.min_relative * center)
+    spread = state.window.step_mad() if config.noise == "steps" else state.window.mad()
+    return center + max(config.z * MAD_TO_SIGMA * spread, config.min_relative * center)
 
 
 def judge(state: SpikeState, value: float, step: int = 100) -> tuple:
@@ -38,6 +40,26 @@ def test_just_over_the_threshold_is_a_spike_just_under_is_not() -> None:
     assert finding.kind == "loss_spike"
     assert finding.threshold == pytest.approx(threshold)
     assert finding.step == 100
+
+
+@pytest.mark.parametrize("noise", ["level", "steps"])
+def test_threshold_follows_the_chosen_spread(noise: str) -> None:
+    config = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.0, noise=noise)
+    rng = random.Random(1)
+    state = warmed([2.0 + rng.gauss(0, 0.01) for _ in range(20)], config)
+    threshold = threshold_of(state, config)
+    assert observe_spike(state, StepPoint(step=100, loss=threshold * (1 - 1e-9)), "loss", config)[1] == ()
+    assert len(observe_spike(state, StepPoint(step=100, loss=threshold * (1 + 1e-9)), "loss", config)[1]) == 1
+
+
+def test_a_falling_loss_does_not_hide_a_corrupted_batch() -> None:
+    # Noise +-0.1 on a loss falling from 5 to 1.2: the fall dominates the spread of the values
+    # (a level threshold near 6), not the spread of the step changes.
+    values = [max(1.2, 5.0 - 0.08 * i) + 0.1 * ((i * 7) % 5 - 2) / 2 for i in range(100)]
+    steps = SpikeConfig()
+    level = SpikeConfig(z=14.0, noise="level")
+    assert threshold_of(warmed(values, level), level) > 5.2
+    assert len(observe_spike(warmed(values, steps), StepPoint(step=100, loss=5.2), "loss", steps)[1]) == 1
 
 
 def test_relative_floor_governs_a_flat_series() -> None:

@@ -53,3 +53,12 @@ def test_before_keeps_only_earlier_steps_and_stays_consistent() -> None:
     assert earlier.values == (1.0, 4.0) and earlier.ordered == (1.0, 4.0) and earlier.steps == (1, 2)
     assert window.before(10) is window
     assert len(window.before(0)) == 0
+
+
+def test_step_mad_ignores_a_steady_trend() -> None:
+    window = RobustWindow(50)
+    rng = random.Random(3)
+    for i in range(50):
+        window = window.push(10.0 - 0.1 * i + rng.gauss(0, 0.01))
+    assert window.mad() > 1.0  # the fall itself
+    assert 0.002 < window.step_mad() < 0.02  # about the noise's 0.01 (MAD units)

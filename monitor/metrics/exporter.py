@@ -48,7 +48,7 @@ class RunHealthCollector(Collector):
         service = self._service
         config = service.config.metrics
         hangs = service.config.engine.hangs
-        silence_s = hangs.silence_intervals * hangs.heartbeat_interval_s
+        silence_s = hangs.silence_s()
         now = service.clock()
         with service.engine.connect() as connection:
             runs = reads.read_runs(connection, now, config.recent_windows, silence_s, config.run_retention_s)
