@@ -70,13 +70,15 @@ class Faults:
         if self.hang == (self.rank, step):
             time.sleep(3600)  # stuck: the runner kills the job once the hang is reported
 
-    def slowdown(self, step: int, compute_s: float) -> None:
-        """A slower device: more compute for the same work (spinning, not sleeping: a slow chip
-        is busy, not idle)."""
+    def stretch(self, step: int, since_cpu_s: float) -> float:
+        """A slower device: each phase's work takes ``factor`` longer (spinning, not sleeping:
+        a slow chip is busy, not idle). Returns the CPU clock for the next phase to start at."""
+        now = time.thread_time()
         if self.slow and self.slow[0] == self.rank and step >= self.slow[2]:
-            until = time.thread_time() + self.slow[1] * compute_s
+            until = now + self.slow[1] * (now - since_cpu_s)
             while time.thread_time() < until:
                 pass
+        return time.thread_time()
 
 
 def overflow_gradients(net: torch.nn.Module) -> list[Any]:
@@ -94,7 +96,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
     scheduler = warmup(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000) if args.overflow else None
     offset = args.seed * 100_000  # another slice of the same dataset for another seed
-    cursor, restarted, compute = 0, False, 0.0
+    cursor, restarted = 0, False
     with RunHealth(
         model=net,
         optimizer=optimizer,
@@ -111,12 +113,12 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
                 cursor = item["index"] + 1 - offset
                 step = int(rh.progress["step"] or 0) + 1
                 faults.before_forward(step)
-                faults.slowdown(step, compute)  # in the forward phase: the device is slower at it
-                started = time.thread_time()
+                phase = time.thread_time()
                 tokens = item["tokens"]
                 if args.corrupt and pair(args.corrupt) == (rank, cursor - 1):
                     tokens = torch.randint(0, task.vocab, tokens.shape)
                 loss = faults.loss(loss_of(net, tokens, task.vocab), step)
+                phase = faults.stretch(step, phase)
                 rh.loss(loss, labels=tokens)
                 storm = scaler is not None and faults.overflowing(int(rh.progress["attempt"] or 0))
                 hooks = overflow_gradients(net) if storm and rank == 0 else []  # the all-reduce spreads it
@@ -125,6 +127,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
                     hook.remove()
                 if scaler:
                     scaler.unscale_(optimizer)
+                phase = faults.stretch(step, phase)
                 rh.grad_norm(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0))
                 if scaler:
                     scale = scaler.get_scale()
@@ -136,13 +139,13 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
                     optimizer.step()
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                compute = time.thread_time() - started
+                faults.stretch(step, phase)
                 rh.window_end()
                 step, consumed = int(rh.progress["step"] or 0), int(rh.progress["consumed"] or 0)
+                if restart and not restarted and step == int(restart[0]):
+                    break  # died between checkpoints: the steps since the last one are redone
                 if step % args.checkpoint_every == 0 and not restarted:
                     checkpoint(rh, args.checkpoints / f"step-{step}", net, optimizer, scheduler, cursor)
-                if restart and not restarted and step == int(restart[0]):
-                    break
                 if step >= args.steps:
                     return
             # The job died at this step and comes back from its newest checkpoint.

@@ -886,6 +886,7 @@ class RunHealth:
                         "directive_poll_s": self.config.directives.poll_interval_s,
                         "agree_every": self.config.hook.agree_every,
                         "heartbeat_s": self.config.sender.heartbeat_interval_s,
+                        "flush_s": self.config.sender.flush_interval_s,
                     },
                 }
             ),

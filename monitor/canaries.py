@@ -334,12 +334,14 @@ class CanaryWatch:
     def interval_s(self, connection: Connection, schedule: Any) -> float:
         if schedule["interval_s"] is not None:
             return float(schedule["interval_s"])
+        # A round costs its slowest rank: synchronous training waits for it.
         seconds = (
             connection.execute(
-                sa.select(RESULT.c.seconds)
-                .where(RESULT.c.run_id == schedule["run_id"])
-                .order_by(RESULT.c.id.desc())
-                .limit(64)
+                sa.select(sa.func.max(RESULT.c.seconds))
+                .where(RESULT.c.run_id == schedule["run_id"], RESULT.c.seconds.is_not(None))
+                .group_by(RESULT.c.incarnation, RESULT.c.step)
+                .order_by(sa.func.max(RESULT.c.id).desc())
+                .limit(16)
             )
             .scalars()
             .all()

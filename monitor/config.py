@@ -75,7 +75,9 @@ class ServiceConfig:
             engine=EngineConfig(
                 hangs=HangConfig(
                     min_timeout_s=_float(environ, "RUNHEALTH_HANG_MIN_TIMEOUT_S", HangConfig.min_timeout_s),
-                    heartbeat_interval_s=_float(environ, "RUNHEALTH_HEARTBEAT_S", HangConfig.heartbeat_interval_s),
+                    heartbeat_interval_s=_float(
+                        environ, "RUNHEALTH_HEARTBEAT_S", HangConfig.heartbeat_interval_s
+                    ),
                 )
             ),
             ingest=IngestConfig(

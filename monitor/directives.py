@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from monitor import models
+from monitor import hook_settings, models
 from policies.proposals import act_at_step
 
 DIRECTIVE = models.table_of(models.Directive)
@@ -124,9 +124,8 @@ def directive_step(
         .order_by(INCARNATION.c.id.desc())
         .limit(1)
     ).scalar()
-    hook = (config or {}).get("runhealth_hook") or {}
-    poll_s = float(hook.get("directive_poll_s") or default_poll_s)
+    poll_s = hook_settings.stated(config, "directive_poll_s") or default_poll_s
     # The ranks agree one agreement period late, at most two periods after the step.
-    agreement = 2 * int(hook.get("agree_every") or 1)
+    agreement = 2 * int(hook_settings.stated(config, "agree_every") or 1)
     step_time = statistics.median(gaps) if gaps else 0.0
     return act_at_step(max(highest, after_step), step_time, poll_s, margin) + agreement

@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from monitor import models
+from monitor import hook_settings, models
 from monitor.incidents import IncidentRecorder
 from monitor.resumes import judge_resumes
 from policies.hangs import HangConfig
@@ -48,9 +48,14 @@ MAX_NAMED_RANKS = 8
 class EngineConfig:
     """How the engine decides a window is ready to judge, and every policy's config.
 
-    ``watermark_attempts``: a window is judged with the ranks it has once a window this many
-    attempts later has arrived, so a dead rank cannot stall judgement (2: one window of
-    slack for ranks that finish a step late, one more for the sender's batching).
+    ``watermark_attempts`` and ``watermark_s``: a window is judged with the ranks it has once
+    a window this many attempts later has arrived and the newest record's time is this many
+    seconds past the window's, so a dead rank cannot stall judgement. Each rank's sender
+    batches records for up to its flush interval, so in steady state some rank is routinely
+    that far behind the others: ``watermark_s`` is ``watermark_flushes`` (2) of the interval the
+    run's hook states in its run_start record plus ``watermark_slack_s`` (1 s), else
+    ``watermark_s`` (5 s: the hook's default 2 s interval). Attempts alone judged a quarter of
+    a 4-rank scenario's windows without their late rank, which hid a corrupted batch.
     ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
     does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
     ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
@@ -62,12 +67,19 @@ class EngineConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     hangs: HangConfig = field(default_factory=HangConfig)
     watermark_attempts: int = 2
+    watermark_s: float = 5.0
+    watermark_flushes: float = 2.0
+    watermark_slack_s: float = 1.0
     cached_windows: int = 1024
     judge_chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.watermark_attempts < 1 or self.cached_windows < 1 or self.judge_chunk < 1:
             raise ValueError("EngineConfig: watermark_attempts, cached_windows and judge_chunk must be >= 1")
+        if self.watermark_s < 0 or self.watermark_flushes < 0 or self.watermark_slack_s < 0:
+            raise ValueError(
+                "EngineConfig: watermark_s, watermark_flushes and watermark_slack_s must be >= 0"
+            )
 
 
 def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
@@ -111,6 +123,7 @@ class _RunState:
     last_incarnation: str | None = None
     last_step: int = 0
     world_size: dict[str, int] = field(default_factory=dict)
+    watermark_s: dict[str, float] = field(default_factory=dict)
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
 
 
@@ -272,10 +285,15 @@ class PolicyEngine:
         for incarnation, summaries in by_incarnation.items():
             summaries.sort(key=lambda s: s["attempt"])
             newest = summaries[-1]["attempt"]
+            newest_time = max(s["last_time"] for s in summaries)
             expected = state.world_size.get(incarnation, 1)
+            wait_s = state.watermark_s.get(incarnation, self._config.watermark_s)
             for summary in summaries:
                 complete = summary["ranks_reported"] >= expected
-                overtaken = summary["attempt"] <= newest - self._config.watermark_attempts
+                overtaken = (
+                    summary["attempt"] <= newest - self._config.watermark_attempts
+                    and newest_time - summary["last_time"] >= wait_s
+                )
                 if not (complete or overtaken):
                     break  # judge in order: a later window waits for this one
                 ready.append(summary)
@@ -288,19 +306,24 @@ class PolicyEngine:
         state: _RunState,
         by_incarnation: dict[str, list[dict[str, Any]]],
     ) -> None:
-        """World size from the run-start record; failing that, the most ranks yet seen."""
+        """World size from the run-start record; failing that, the most ranks yet seen. The
+        watermark from the flush interval the run-start record states."""
         unknown = [inc for inc in by_incarnation if inc not in state.world_size]
         declared = {}
         if unknown:
-            declared = dict(
-                connection.execute(
-                    sa.select(INCARNATION.c.incarnation, INCARNATION.c.world_size).where(
-                        INCARNATION.c.run_id == run_id,
-                        INCARNATION.c.incarnation.in_(unknown),
-                        INCARNATION.c.world_size.is_not(None),
+            started = connection.execute(
+                sa.select(INCARNATION.c.incarnation, INCARNATION.c.world_size, INCARNATION.c.config).where(
+                    INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation.in_(unknown)
+                )
+            ).all()
+            declared = {row.incarnation: row.world_size for row in started if row.world_size is not None}
+            for row in started:
+                flush_s = hook_settings.stated(row.config, "flush_s")
+                if flush_s is not None:
+                    config = self._config
+                    state.watermark_s[row.incarnation] = (
+                        config.watermark_flushes * flush_s + config.watermark_slack_s
                     )
-                ).all()
-            )
         for incarnation, summaries in by_incarnation.items():
             if incarnation in declared:
                 state.world_size[incarnation] = declared[incarnation]

@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from monitor import directives, models
+from monitor import directives, hook_settings, models
 from monitor.incidents import IncidentRecorder, close_incident
 from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
 
@@ -99,7 +99,7 @@ class HangWatch:
             self._timeout(connection, run_id, incarnation),
             incarnation,
             self._config,
-            stated_heartbeat_s(config),
+            hook_settings.stated(config, "heartbeat_s"),
             started_at,
         )
         key = (run_id, incarnation)
@@ -158,10 +158,3 @@ class HangWatch:
         for incident_id in open_hangs:
             close_incident(connection, incident_id, now)
         return list(open_hangs)
-
-
-def stated_heartbeat_s(run_config: Any) -> float | None:
-    """The heartbeat interval a run's hook states in its run_start record, if it is usable."""
-    hook = run_config.get("runhealth_hook") if isinstance(run_config, dict) else None
-    stated = hook.get("heartbeat_s") if isinstance(hook, dict) else None
-    return float(stated) if isinstance(stated, int | float) and stated > 0 else None

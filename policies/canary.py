@@ -85,12 +85,19 @@ class RoundVerdict:
     checked: tuple[int, ...] = field(default_factory=tuple)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def float32_ulps(a: float, b: float) -> int:
     """Distance in float32 units in the last place (sign-aware, monotone ordering)."""
     if math.isnan(a) or math.isnan(b):
         return 0 if math.isnan(a) and math.isnan(b) else 2**32
+    if a == b:
+        return 0
 
     def ordered(x: float) -> int:
+        if abs(x) > FLOAT32_MAX:  # summaries are float64: past float32's range is its infinity
+            x = math.copysign(math.inf, x)
         bits: int = struct.unpack("<i", struct.pack("<f", x))[0]
         return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
 

@@ -85,7 +85,9 @@ class SpikeConfig:
         spread (of its values: nothing measured says step changes serve better here); before
         warm-up, 10x.
         """
-        return cls(z=10.0, min_relative=math.log(4.0), cold_ratio=math.log(10.0), log_scale=True, noise="level")
+        return cls(
+            z=10.0, min_relative=math.log(4.0), cold_ratio=math.log(10.0), log_scale=True, noise="level"
+        )
 
 
 @dataclass(frozen=True)

@@ -226,32 +226,38 @@ def main() -> int:
         return report(
             {"cuda": False, "message": "no CUDA device here: the sync check needs a GPU; nothing run"}
         )
+    return report(run_check(args.steps))
+
+
+def run_check(steps: int) -> dict[str, Any]:
+    """The whole check on this machine's CUDA device, as one JSON-able document (also called
+    by scripts/device_check.py)."""
+    import torch
+
     started = time.time()
-    skip_at = args.steps // 2
-    bare = run_bare(args.steps, skip_at)
+    skip_at = steps // 2
+    bare = run_bare(steps, skip_at)
     variants = [
         Variant("labels_on_gpu"),
         Variant("labels_on_cpu", labels_on_gpu=False),
         Variant("fused_adamw", fused=True),
     ]
-    hooked = [run_hooked(variant, args.steps, skip_at) for variant in variants]
-    bare_per_step = bare.total / args.steps
+    hooked = [run_hooked(variant, steps, skip_at) for variant in variants]
+    bare_per_step = bare.total / steps
     for result in hooked:
         result["added_syncs_per_step"] = result["syncs_per_step"] - bare_per_step
-    return report(
-        {
-            "cuda": True,
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "steps": args.steps,
-            "skip_at_attempt": skip_at + 1,
-            "bare_syncs_per_step": bare_per_step,
-            "hooked": hooked,
-            "target_added_syncs": 0,
-            "ok": all(r["syncs_inside_hook_calls"] == 0 and r["step_records"] == args.steps for r in hooked),
-            "seconds": time.time() - started,
-        }
-    )
+    return {
+        "cuda": True,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "steps": steps,
+        "skip_at_attempt": skip_at + 1,
+        "bare_syncs_per_step": bare_per_step,
+        "hooked": hooked,
+        "target_added_syncs": 0,
+        "ok": all(r["syncs_inside_hook_calls"] == 0 and r["step_records"] == steps for r in hooked),
+        "seconds": time.time() - started,
+    }
 
 
 def report(document: dict[str, Any]) -> int:

@@ -98,16 +98,12 @@ class PostgresServer:
         require_binary("pg_ctl", self.bin_dir)
         self._prepare_root()
         self._command("initdb", "-D", str(self.data), "-U", "postgres", "-E", "UTF8", "-N")
-        (self.data / "pg_hba.conf").write_text(
-            "local all all trust\nhost all all 127.0.0.1/32 trust\n"
-        )
+        (self.data / "pg_hba.conf").write_text("local all all trust\nhost all all 127.0.0.1/32 trust\n")
         for _attempt in range(3):  # a free port can be taken between probe and bind
             self.port = free_port()
             self._write_settings()
             log = ["-l", str(self.log)]
-            started = self._command(
-                "pg_ctl", "-D", str(self.data), *log, "-w", "start", check=False
-            )
+            started = self._command("pg_ctl", "-D", str(self.data), *log, "-w", "start", check=False)
             if started.returncode == 0:
                 return
             self.stop()
@@ -172,13 +168,9 @@ class PostgresServer:
         lines = [f"{name} = {value}" for name, value in settings.items()]
         (self.data / "postgresql.auto.conf").write_text("\n".join(lines) + "\n")
 
-    def _command(
-        self, name: str, *args: str, check: bool = True
-    ) -> subprocess.CompletedProcess[str]:
+    def _command(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         argv = [*self._as_owner, str(self.bin_dir / name), *args]
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=120, cwd=self.root, check=False
-        )
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=self.root, check=False)
         if check and done.returncode != 0:
             raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr.strip()}")
         return done
@@ -316,7 +308,7 @@ def record_of_each_kind(directive_id: int = 1) -> list[dict[str, Any]]:
             "incarnation": INCARNATION,
             "rank": 0,
             "time": 1002.0,
-            "stacks": "Thread 0x1 (most recent call first):\n  File \"train.py\", line 10 in step\n",
+            "stacks": 'Thread 0x1 (most recent call first):\n  File "train.py", line 10 in step\n',
             "directive_id": directive_id,
         },
         {

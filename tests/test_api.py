@@ -55,9 +55,7 @@ class Response(Protocol):
     def json(self) -> Any: ...
 
 
-def post(
-    client: TestClient, run: RunHandle, body: Body, headers: dict[str, str] | None = None
-) -> Response:
+def post(client: TestClient, run: RunHandle, body: Body, headers: dict[str, str] | None = None) -> Response:
     content = json.dumps(body).encode() if isinstance(body, dict) else body
     return client.post(
         run.records_path,
@@ -98,12 +96,8 @@ def assert_problem(body: dict[str, Any], index: int | None, field: str | None) -
 # --- malformed and invalid batches -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "raw", [b'{"records": [', b"records=1", b"", b'{"records": [{"kind": "step",}]}']
-)
-def test_malformed_json_is_400(
-    client: TestClient, store: Engine, run: RunHandle, raw: bytes
-) -> None:
+@pytest.mark.parametrize("raw", [b'{"records": [', b"records=1", b"", b'{"records": [{"kind": "step",}]}'])
+def test_malformed_json_is_400(client: TestClient, store: Engine, run: RunHandle, raw: bytes) -> None:
     before = snapshot(store)
     assert_rejected(post(client, run, raw), 400, "malformed_json", store, before)
 
@@ -132,9 +126,7 @@ def test_wrong_type_is_422_naming_index_and_field(
 
 
 @pytest.mark.parametrize("field", ["incarnation", "rank", "attempt", "step", "time"])
-def test_missing_required_field_is_422(
-    client: TestClient, store: Engine, run: RunHandle, field: str
-) -> None:
+def test_missing_required_field_is_422(client: TestClient, store: Engine, run: RunHandle, field: str) -> None:
     before = snapshot(store)
     incomplete = step_record(attempt=1)
     del incomplete[field]
@@ -157,9 +149,7 @@ def test_unknown_kind_is_422_on_field_kind(
     assert_problem(body, 1, "kind")
 
 
-def test_record_without_kind_is_422_on_field_kind(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_record_without_kind_is_422_on_field_kind(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     record = step_record()
     del record["kind"]
@@ -175,15 +165,11 @@ def test_unknown_field_is_422(client: TestClient, store: Engine, run: RunHandle)
     assert_problem(body, 0, "los_sum")
 
 
-def test_nested_field_is_named_by_its_path(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_nested_field_is_named_by_its_path(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     checkpoint = record_of_each_kind(run.directive_id)[6]
     checkpoint["manifest"]["files"][0]["sha256"] = "not-a-digest"
-    body = assert_rejected(
-        post(client, run, batch(checkpoint)), 422, "invalid_record", store, before
-    )
+    body = assert_rejected(post(client, run, batch(checkpoint)), 422, "invalid_record", store, before)
     assert_problem(body, 0, "manifest.files.0.sha256")
 
 
@@ -197,9 +183,7 @@ def test_batch_that_is_not_a_batch_is_422(
 
 
 @both_backends
-def test_one_bad_record_rejects_the_whole_batch(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_one_bad_record_rejects_the_whole_batch(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     records = [*record_of_each_kind(run.directive_id)[1:], *steps(3, ranks=2)]
     assert records[5]["kind"] == "checkpoint"
@@ -216,9 +200,7 @@ FEW_RECORDS = ServiceConfig(admin_token=ADMIN_TOKEN, ingest=IngestConfig(max_bat
 
 
 @pytest.mark.parametrize("service_config", [SMALL_BYTES])
-def test_batch_over_the_byte_limit_is_413(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_batch_over_the_byte_limit_is_413(client: TestClient, store: Engine, run: RunHandle) -> None:
     small, large = batch(*steps(2)), batch(*steps(20))
     assert len(json.dumps(small)) < 2048 < len(json.dumps(large))
     before = snapshot(store)
@@ -227,9 +209,7 @@ def test_batch_over_the_byte_limit_is_413(
 
 
 @pytest.mark.parametrize("service_config", [SMALL_BYTES])
-def test_streamed_batch_over_the_byte_limit_is_413(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_streamed_batch_over_the_byte_limit_is_413(client: TestClient, store: Engine, run: RunHandle) -> None:
     """No Content-Length to check up front: the limit holds while the body is read."""
     raw = json.dumps(batch(*steps(20))).encode()
     chunks = iter([raw[i : i + 512] for i in range(0, len(raw), 512)])
@@ -238,9 +218,7 @@ def test_streamed_batch_over_the_byte_limit_is_413(
 
 
 @pytest.mark.parametrize("service_config", [FEW_RECORDS])
-def test_batch_over_the_record_limit_is_413(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_batch_over_the_record_limit_is_413(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     assert_rejected(post(client, run, batch(*steps(4))), 413, "too_large", store, before)
     assert post(client, run, batch(*steps(3))).status_code == 200
@@ -267,9 +245,7 @@ def test_missing_or_wrong_token_is_refused(
     assert_rejected(post(client, run, batch(step_record()), headers), status, error, store, before)
 
 
-def test_one_runs_token_cannot_write_another_run(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_one_runs_token_cannot_write_another_run(client: TestClient, store: Engine, run: RunHandle) -> None:
     other = make_run(store, "run-b")
     before = snapshot(store)
     response = post(client, run, batch(step_record()), other.headers)
@@ -331,9 +307,7 @@ def test_conflicting_duplicate_is_409_and_stores_nothing_of_its_batch(
     assert service.counters[(run.name, "rejected")] == 1
 
 
-def test_conflict_inside_one_batch_is_409(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_conflict_inside_one_batch_is_409(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     records = [step_record(), step_record(rank=1), step_record(grad_norm=7.0)]
     body = assert_rejected(post(client, run, batch(*records)), 409, "conflict", store, before)
@@ -344,9 +318,7 @@ def test_conflict_inside_one_batch_is_409(
 
 
 @both_backends
-def test_every_kind_is_accepted_and_idempotent(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_every_kind_is_accepted_and_idempotent(client: TestClient, store: Engine, run: RunHandle) -> None:
     first = post(client, run, batch(*record_of_each_kind(run.directive_id)))
     assert first.status_code == 200, first.text
     assert first.json()["by_kind"] == dict.fromkeys(RECORD_KINDS, 1)
@@ -357,7 +329,10 @@ def test_every_kind_is_accepted_and_idempotent(
     assert snapshot(store) == before
     for table in models.Base.metadata.sorted_tables:
         # the tables the records land in; the rest are the service's own (decisions, audit)
-        if table.name in {str(spec.table.name) for spec in KEYED_TABLES.values()} | {"heartbeats", "incarnations"}:
+        if table.name in {str(spec.table.name) for spec in KEYED_TABLES.values()} | {
+            "heartbeats",
+            "incarnations",
+        }:
             assert count_rows(store, table) == 1, table.name
 
 
@@ -423,32 +398,23 @@ def post_nonfinite(client: TestClient, run: RunHandle) -> None:
 
 
 @both_backends
-def test_nonfinite_values_are_stored_as_floats(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_nonfinite_values_are_stored_as_floats(client: TestClient, store: Engine, run: RunHandle) -> None:
     post_nonfinite(client, run)
     with Session(store) as session:
-        records = session.scalars(
-            sa.select(models.StepRecord).order_by(models.StepRecord.attempt)
-        ).all()
+        records = session.scalars(sa.select(models.StepRecord).order_by(models.StepRecord.attempt)).all()
     assert [math.isnan(r.loss_sum or 0.0) for r in records] == [True, True]
     assert [r.grad_norm for r in records] == [math.inf, math.inf]
     assert (records[0].loss_scale, records[1].lr) == (-math.inf, -math.inf)
     with store.connect() as connection:
         assert (
-            connection.execute(
-                sa.select(sa.func.count()).where(STEP.c.loss_sum.is_(None))
-            ).scalar_one()
-            == 0
+            connection.execute(sa.select(sa.func.count()).where(STEP.c.loss_sum.is_(None))).scalar_one() == 0
         )  # a NaN must never become NULL
         sums = connection.execute(sa.select(SUMMARY.c.loss_sum).order_by(SUMMARY.c.attempt))
         assert all(math.isnan(value) for value in sums.scalars())
 
 
 @both_backends
-def test_nonfinite_values_are_served_as_names(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_nonfinite_values_are_served_as_names(client: TestClient, store: Engine, run: RunHandle) -> None:
     post_nonfinite(client, run)
     response = client.get(f"/v1/runs/{run.name}/steps", headers=run.headers)
     assert response.status_code == 200
@@ -461,9 +427,7 @@ def test_nonfinite_values_are_served_as_names(
 
 
 @both_backends
-def test_nonfinite_loss_opens_a_nonfinite_incident(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_nonfinite_loss_opens_a_nonfinite_incident(client: TestClient, store: Engine, run: RunHandle) -> None:
     post_nonfinite(client, run)
     response = client.get(f"/v1/runs/{run.name}/incidents", headers=run.headers)
     incidents = strict_json(response)["incidents"]
@@ -477,9 +441,7 @@ def test_nonfinite_loss_opens_a_nonfinite_incident(
 
 
 @both_backends
-def test_nonfinite_record_resent_is_a_duplicate(
-    client: TestClient, store: Engine, run: RunHandle
-) -> None:
+def test_nonfinite_record_resent_is_a_duplicate(client: TestClient, store: Engine, run: RunHandle) -> None:
     post_nonfinite(client, run)
     before = snapshot(store)
     response = post(client, run, BARE_TOKENS)
@@ -503,9 +465,7 @@ def test_healthz_is_503_when_the_store_is_down() -> None:
     assert response.json()["status"] == "error"
 
 
-def test_runs_list_is_admin_only(
-    client: TestClient, run: RunHandle, admin_headers: dict[str, str]
-) -> None:
+def test_runs_list_is_admin_only(client: TestClient, run: RunHandle, admin_headers: dict[str, str]) -> None:
     post(client, run, batch(*steps(3)))
     assert client.get("/v1/runs").status_code == 401
     assert client.get("/v1/runs", headers=run.headers).status_code == 403
@@ -553,9 +513,7 @@ def test_clean_run_has_no_findings_or_incidents(client: TestClient, run: RunHand
 
 
 @pytest.mark.parametrize("what", ["steps", "findings", "incidents"])
-def test_reads_need_the_runs_own_token(
-    client: TestClient, store: Engine, run: RunHandle, what: str
-) -> None:
+def test_reads_need_the_runs_own_token(client: TestClient, store: Engine, run: RunHandle, what: str) -> None:
     other = make_run(store, "run-b")
     assert client.get(f"/v1/runs/{run.name}/{what}").status_code == 401
     assert client.get(f"/v1/runs/{run.name}/{what}", headers=other.headers).status_code == 403
@@ -565,7 +523,9 @@ def test_reads_need_the_runs_own_token(
 def test_service_config_reads_hang_timing_from_the_environment() -> None:
     from monitor.config import ConfigError
 
-    config = ServiceConfig.from_environ({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "12.5", "RUNHEALTH_HEARTBEAT_S": "0.5"})
+    config = ServiceConfig.from_environ(
+        {"RUNHEALTH_HANG_MIN_TIMEOUT_S": "12.5", "RUNHEALTH_HEARTBEAT_S": "0.5"}
+    )
     assert config.engine.hangs.min_timeout_s == 12.5
     assert config.engine.hangs.heartbeat_interval_s == 0.5
     assert ServiceConfig.from_environ({}).engine == ServiceConfig().engine

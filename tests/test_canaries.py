@@ -4,6 +4,7 @@ import json
 import random
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 import torch
 from sqlalchemy.engine import Engine
@@ -180,7 +181,9 @@ def test_the_schedule_is_kept_in_the_store_and_budgeted(store: Engine, run: RunH
     assert directive is not None and directive > 29
 
 
-def test_a_targeted_re_run_answers_for_the_original_result(service: Service, store: Engine, run: RunHandle) -> None:
+def test_a_targeted_re_run_answers_for_the_original_result(
+    service: Service, store: Engine, run: RunHandle
+) -> None:
     start(service, run)
     post(service, run, windows(range(1, 6)))
     post(service, run, round_records(5, None, {}))  # golden established
@@ -190,12 +193,44 @@ def test_a_targeted_re_run_answers_for_the_original_result(service: Service, sto
     records = round_records(10, None, {1: bad})  # no golden known to the hooks: no immediate re-run
     post(service, run, records)
     with store.connect() as connection:
-        (directive_id,) = connection.execute(
-            sa.select(models.Directive.id).where(models.Directive.kind == "canary")
-        ).scalars().all()
+        (directive_id,) = (
+            connection.execute(sa.select(models.Directive.id).where(models.Directive.kind == "canary"))
+            .scalars()
+            .all()
+        )
     outcome = run_canary(CPU, SMALL, golden=golden, faults=bad)
-    post(service, run, [{"kind": "canary_result", "incarnation": INCARNATION, "rank": 1, "step": 12, "time": 12.0,
-                         "node": "node-1", "device_uuid": "CPU-1", "directive_id": directive_id,
-                         **outcome.as_wire()}])
+    post(
+        service,
+        run,
+        [
+            {
+                "kind": "canary_result",
+                "incarnation": INCARNATION,
+                "rank": 1,
+                "step": 12,
+                "time": 12.0,
+                "node": "node-1",
+                "device_uuid": "CPU-1",
+                "directive_id": directive_id,
+                **outcome.as_wire(),
+            }
+        ],
+    )
     (incident,) = incidents(store, run)
     assert (incident["kind"], incident["severity"], incident["devices"]) == ("canary", "critical", ["CPU-1"])
+
+
+def test_the_interval_is_set_by_the_slowest_rank_of_a_round(store: Engine, run: RunHandle) -> None:
+    clock = {"now": 1000.0}
+    service = Service(store, ServiceConfig(admin_token=ADMIN_TOKEN), clock=lambda: clock["now"])
+    start(service, run)
+    post(service, run, windows(range(1, 30)))
+    clock["now"] = 1030.0
+    service.canaries.schedule_due()
+    records = round_records(40, None, {})
+    for record in records:
+        record["seconds"] = 2.0 if record["rank"] == 3 else 0.5  # synchronous ranks wait for rank 3
+    post(service, run, records)
+    with store.connect() as connection:
+        schedule = connection.execute(sa.select(models.CanarySchedule)).mappings().one()
+        assert service.canaries.interval_s(connection, schedule) == pytest.approx(2.0 / 0.005)

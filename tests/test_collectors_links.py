@@ -137,9 +137,7 @@ def test_seq_increases_per_port_and_past_a_restart(sysfs: Path) -> None:
     assert all(r["seq"] > newest for r in restarted.sample())
 
 
-def test_without_infiniband_one_log_line_and_quiet(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_without_infiniband_one_log_line_and_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="collectors.links")
     sunk: list[dict[str, Any]] = []
     reader = LinkReader(sunk.append, LinkReader.Config(interval_s=0.01), root=tmp_path / "none")

@@ -390,7 +390,9 @@ def test_audit_verify_catches_an_edit_a_deletion_and_a_swap(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     proposal = spiked_run(service, run, tmp_path)
-    service.decisions.approve(proposal["id"], "alice", "go")  # four entries: opened, proposed, approved, directive
+    service.decisions.approve(
+        proposal["id"], "alice", "go"
+    )  # four entries: opened, proposed, approved, directive
     code, out, _ = cli(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
     assert code == 0 and json.loads(out)["entries"] == 4
     if "CASE" in statement:  # prev_hash is unique: swap through a free value
@@ -412,7 +414,9 @@ def test_concurrent_appends_never_fork_the_chain(store: Engine) -> None:
         barrier.wait()
         for i in range(10):
             with store.begin() as connection:
-                audit.append(connection, actor=f"writer-{n}", action="note", subject=f"test:{i}", now=float(i))
+                audit.append(
+                    connection, actor=f"writer-{n}", action="note", subject=f"test:{i}", now=float(i)
+                )
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
     for t in threads:

@@ -45,7 +45,13 @@ SCRIPT = textwrap.dedent(
 
 def test_service_cli_and_backtest_run_without_torch(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "s.db"), str(CURVES / "megatron_gpt3_15b_release_h100.csv")],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(tmp_path / "s.db"),
+            str(CURVES / "megatron_gpt3_15b_release_h100.csv"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from policies.canary import (
@@ -16,9 +18,18 @@ CONFIG = CanaryConfig()
 GOOD = {"gemm_fp32": KernelResult("aaa", (1.0,)), "softmax": KernelResult("bbb", (2.0,))}
 
 
-def result(rank: int, kernels: dict | None = None, rerun: dict | None = None, stack: str = "H100/cuda12") -> CanaryResult:
-    return CanaryResult(rank=rank, node=f"n{rank}", device=f"GPU-{rank}", stack=stack, step=100,
-                        kernels=kernels or GOOD, rerun=rerun)
+def result(
+    rank: int, kernels: dict | None = None, rerun: dict | None = None, stack: str = "H100/cuda12"
+) -> CanaryResult:
+    return CanaryResult(
+        rank=rank,
+        node=f"n{rank}",
+        device=f"GPU-{rank}",
+        stack=stack,
+        step=100,
+        kernels=kernels or GOOD,
+        rerun=rerun,
+    )
 
 
 BAD = {**GOOD, "gemm_fp32": KernelResult("zzz", (1.5,))}
@@ -75,6 +86,10 @@ def test_float32_ulps() -> None:
     assert float32_ulps(1.0, 1.0 + 2**-23) == 1
     assert float32_ulps(-0.0, 0.0) == 0
     assert float32_ulps(1.0, -1.0) > 2**29
+    # float64 summaries past float32's range compare as its infinity instead of failing
+    assert float32_ulps(1e300, 1e300) == 0
+    assert float32_ulps(1e39, math.inf) == 0
+    assert float32_ulps(1.0, 1e300) > 2**29
 
 
 @pytest.mark.parametrize(("suite", "expected"), [(0.5, 100.0), (0.01, 60.0), (1000.0, 21600.0), (0.0, 60.0)])

@@ -82,7 +82,10 @@ def test_retries_stay_bounded_under_any_sequence(
     for incident in {r.incident for r in history}:
         assert sum(1 for r in history if r.incident == incident) <= config.per_incident
     for r in history:
-        assert sum(1 for o in history if o.time <= r.time and r.time - o.time < config.window_s) <= config.per_window
+        assert (
+            sum(1 for o in history if o.time <= r.time and r.time - o.time < config.window_s)
+            <= config.per_window
+        )
 
 
 def test_blame_follows_evidence_only() -> None:

@@ -182,6 +182,7 @@ def test_a_rollback_is_judged_against_the_history_it_returned_to() -> None:
 
     config = SeriesConfig()
     state = SeriesState.empty(config)
+
     # The loss falls from 3.0 toward 1.0 over 600 steps (the demo waits that long for an
     # approval); the run then resumes from its checkpoint at step 125.
     def loss(step: int) -> float:

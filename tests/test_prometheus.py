@@ -39,6 +39,7 @@ pytestmark = pytest.mark.slow
 # 200 steps: the spike rule judges against the newest 100 windows, and those must be past the
 # steep early descent of the loss for a corrupted batch to stand out as critical.
 WORLD, NODES, STEPS = 4, 2, 200
+STEP_S = 0.05
 CORRUPT_STEP, NAN_STEP, ECC_STEP = 170, 185, 150
 NAN_RANK, SLOW_RANK, STUCK_RANK, ECC_RANK, MARGINAL_RANK = 1, 3, 2, 2, 0
 CANARY_STEPS = (60, 140)  # a healthy round sets the golden fingerprints; the next finds the marginal core
@@ -382,8 +383,13 @@ def train(send: Any, run: str, root: Path) -> list[dict[str, Any]]:
     """Train and report; returns the record held back in a spool, to replay late."""
     incarnation = str(uuid.uuid4())
     training, fleet, canaries = Training(root), Fleet(root), Canaries()
+    # Steps stamped 50 ms apart, ending now, whatever this machine's speed; a hook that flushes
+    # every 50 ms makes the service judge a window once records 1.1 s newer arrived, so the
+    # held-back record arrives after its window was judged.
+    hook = {"runhealth_hook": {"flush_s": 0.05}}
+    first = time.time() - STEP_S * STEPS
     pending: list[dict[str, Any]] = [
-        {"kind": "run_start", "incarnation": incarnation, "time": time.time(), "world_size": WORLD}
+        {"kind": "run_start", "incarnation": incarnation, "time": first, "world_size": WORLD, "config": hook}
     ]
     held: list[dict[str, Any]] = []
     for step in range(1, STEPS + 1):
@@ -396,7 +402,7 @@ def train(send: Any, run: str, root: Path) -> list[dict[str, Any]]:
                 "attempt": step,
                 "step": step,
                 "consumed": 8 * step,
-                "time": time.time(),
+                "time": first + STEP_S * step,
                 "node": f"node-{rank // (WORLD // NODES)}",
                 "device_uuid": fleet.device(rank).uuid,
                 "dp_rank": rank,

@@ -7,7 +7,9 @@ from monitor.scheduler import ScheduleConfig, start_scheduler
 from monitor.service import Service
 
 
-def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(service: Service, store: Engine) -> None:
+def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
+    service: Service, store: Engine
+) -> None:
     ran = threading.Event()
     calls = []
 
@@ -21,7 +23,12 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(service: 
     scheduler = start_scheduler(service, ScheduleConfig(hang_check_s=0.05, peer_compare_s=60))
     try:
         assert ran.wait(timeout=10)
-        assert {job.id for job in scheduler.get_jobs()} == {"hang_check", "peer_compare", "canary_schedule", "canary_rounds"}
+        assert {job.id for job in scheduler.get_jobs()} == {
+            "hang_check",
+            "peer_compare",
+            "canary_schedule",
+            "canary_rounds",
+        }
     finally:
         scheduler.shutdown(wait=True)
 

@@ -106,7 +106,7 @@ def test_late_records_are_judged_on_arrival_into_the_open_incident(
     service: Service, store: Engine, run: RunHandle
 ) -> None:
     post(service, run, [start(), *windows(range(1, 30))])
-    early = [r for r in windows(range(30, 34), loss={(30, 3): "NaN", (30, 1): "NaN"}) if r["rank"] != 3]
+    early = [r for r in windows(range(30, 37), loss={(30, 3): "NaN", (30, 1): "NaN"}) if r["rank"] != 3]
     post(service, run, early)  # rank 3 of window 30 is missing: judged by watermark without it
     (incident,) = incidents(store, run)
     assert incident["ranks"] == [1]

@@ -180,7 +180,14 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                 step = int(rh.progress["step"] or 0)
                 now["step"] = step
                 if step % args.checkpoint_every == 0:
-                    checkpoint(rh, args.checkpoints / f"step-{step}-{len(rollbacks)}", net, optimizer, scheduler, cursor)
+                    checkpoint(
+                        rh,
+                        args.checkpoints / f"step-{step}-{len(rollbacks)}",
+                        net,
+                        optimizer,
+                        scheduler,
+                        cursor,
+                    )
                 after = resumed_at is not None and step >= resumed_at + args.after_rollback
                 if step >= args.max_steps or after or (step >= args.steps and not args.wait_rollback):
                     break
