@@ -159,13 +159,18 @@ class PolicyEngine:
             while len(state.pending) > self._config.cached_windows:
                 state.pending.popitem(last=False)
 
-    def judge(self, run_id: int) -> list[int]:
-        """Judge every ready window of one run; returns the incidents opened or updated."""
+    def judge(self, run_id: int, now: float | None = None) -> list[int]:
+        """Judge every ready window of one run; returns the incidents opened or updated.
+
+        With ``now`` (the service's clock, from the periodic pass), a window whose newest
+        record is two watermarks old is ready too: a run that paused, waits for a decision or
+        ended sends nothing newer, and its last windows must not wait for ever.
+        """
         touched: list[int] = []
         with self._lock:
             with self._engine.connect() as connection:
                 state = self._state(connection, run_id)
-                ready = self._ready(connection, run_id, state)
+                ready = self._ready(connection, run_id, state, now)
             # A transaction per chunk: a backlog (a spool replayed, a skip storm) must not hold
             # the store's write lock for long, or ingest waits behind it.
             for start in range(0, len(ready), self._config.judge_chunk):
@@ -266,7 +271,18 @@ class PolicyEngine:
         )
         return [dict(row) for row in connection.execute(query).mappings()]
 
-    def _ready(self, connection: Connection, run_id: int, state: _RunState) -> list[dict[str, Any]]:
+    def waiting_runs(self) -> list[int]:
+        """Runs with windows not judged yet."""
+        with self._engine.connect() as connection:
+            return list(
+                connection.execute(
+                    sa.select(SUMMARY.c.run_id).where(SUMMARY.c.judged.is_(False)).distinct()
+                ).scalars()
+            )
+
+    def _ready(
+        self, connection: Connection, run_id: int, state: _RunState, now: float | None = None
+    ) -> list[dict[str, Any]]:
         pending = [
             dict(row)
             for row in connection.execute(
@@ -293,7 +309,7 @@ class PolicyEngine:
                 overtaken = (
                     summary["attempt"] <= newest - self._config.watermark_attempts
                     and newest_time - summary["last_time"] >= wait_s
-                )
+                ) or (now is not None and now - summary["last_time"] >= 2 * wait_s)
                 if not (complete or overtaken):
                     break  # judge in order: a later window waits for this one
                 ready.append(summary)

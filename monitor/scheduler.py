@@ -23,7 +23,7 @@ class ScheduleConfig:
     """Periods of the service's jobs.
 
     - ``hang_check_s`` 5: the hook's heartbeat interval, so a hang is seen within one
-      heartbeat of its timeout.
+      heartbeat of its timeout; windows that nothing newer will release are judged as often.
     - ``peer_compare_s`` 300: error rates over five minutes; a single error in one 10 s
       sample interval is not a burst.
     - ``canary_s`` 30: how often due canary schedules are issued and rounds that lost a rank
@@ -53,6 +53,7 @@ def start_scheduler(service: Service, config: ScheduleConfig) -> BackgroundSched
     scheduler = BackgroundScheduler(timezone=UTC)
     jobs = {
         "hang_check": (service.check_hangs, config.hang_check_s),
+        "judge_waiting": (service.judge_waiting, config.hang_check_s),
         "peer_compare": (service.compare_peers, config.peer_compare_s),
         "canary_schedule": (service.canaries.schedule_due, config.canary_s),
         "canary_rounds": (service.canaries.judge_waiting, config.canary_s),

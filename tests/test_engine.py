@@ -134,3 +134,25 @@ def test_hook_settings_are_read_only_when_usable() -> None:
         assert stated(config, "flush_s") is None
     assert stated({"runhealth_hook": {"flush_s": -1}}, "flush_s") is None
     assert stated({"runhealth_hook": {"flush_s": True}}, "flush_s") is None
+
+
+def test_a_paused_runs_last_windows_are_judged_by_the_periodic_pass(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    engine = create_store_engine(resolve_url(str(db), {}))
+    migrate.upgrade(engine)
+    with engine.begin() as connection:
+        queries.create_run(connection, "r")
+        run_id = int(queries.run_row(connection, "r").id)
+    clock = {"now": 10.0}
+    service = Service(engine, ServiceConfig(), clock=lambda: clock["now"])
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(1, 10), (0, 1)) + steps(range(10, 12), (0,)))  # then it waits
+    assert judged(service) == list(range(1, 10))  # 10 and 11 lack rank 1, and nothing newer came
+    assert service.policies.waiting_runs() == [run_id]
+    clock["now"] = 19.0  # 8 s after window 11: under two 5 s watermarks
+    service.judge_waiting()
+    assert judged(service) == list(range(1, 10))
+    clock["now"] = 21.5
+    service.judge_waiting()
+    assert judged(service) == list(range(1, 12))
+    assert service.policies.waiting_runs() == []

@@ -60,12 +60,12 @@ def run_rank_loss(windows: list[list[dict]], config: RankLossConfig | None = Non
 
 
 def test_one_ranks_corrupted_batch_is_named_with_its_batch() -> None:
-    windows = [records(s) for s in range(1, 60)] + [records(60, loss={2: 7.0})]
+    windows = [records(s) for s in range(1, 40)] + [records(40, loss={2: 7.0})]
     found = run_rank_loss(windows)
     assert all(f == () for f in found[:-1])
     (finding,) = found[-1]
-    assert (finding.rank, finding.node, finding.device, finding.step) == (2, "n2", "GPU-2", 60)
-    assert finding.evidence["sample_ids"] == [602]
+    assert (finding.rank, finding.node, finding.device, finding.step) == (2, "n2", "GPU-2", 40)
+    assert finding.evidence["sample_ids"] == [402]
 
 
 def test_a_rank_below_twice_its_peers_loss_is_noise() -> None:
@@ -79,9 +79,9 @@ def test_a_rank_below_twice_its_peers_loss_is_noise() -> None:
 def test_rank_loss_waits_for_warm_up_and_ignores_zero_token_ranks() -> None:
     found = run_rank_loss([records(1, loss={2: 7.0})])
     assert found == [()]
-    window = records(60, loss={2: 7.0})
+    window = records(30, loss={2: 7.0})
     window[2]["tokens"] = 0
-    found = run_rank_loss([records(s) for s in range(1, 60)] + [window])
+    found = run_rank_loss([records(s) for s in range(1, 30)] + [window])
     assert found[-1] == ()
 
 

@@ -25,6 +25,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
         assert ran.wait(timeout=10)
         assert {job.id for job in scheduler.get_jobs()} == {
             "hang_check",
+            "judge_waiting",
             "peer_compare",
             "canary_schedule",
             "canary_rounds",
