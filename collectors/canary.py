@@ -39,9 +39,11 @@ TensorHook = Callable[[str, "torch.Tensor"], "torch.Tensor"]
 class CanaryConfig:
     """Shapes and seed of the suite.
 
-    Sizes are chosen so one run costs well under a second: on an H200 the GPU shapes take a
-    few milliseconds; on a laptop-class CPU core the CPU shapes take ~0.1-0.3 s
-    (benchmarks/canary.py measures both). ``time_budget_s`` is checked after each run: a
+    Sizes are chosen so one run costs well under a second. Measured on a 2-core EPYC VM, the
+    CPU shapes take 13 ms at 1 thread (benchmarks/canary.py). On a GPU the device work should
+    be milliseconds, but fingerprinting its outputs on the host (48 MiB of SHA-256 and float64
+    summaries) cost 0.11-0.19 s on that CPU, so expect ~0.1-0.2 s per run; no GPU has run it
+    yet (scripts/device_check.py measures the split). ``time_budget_s`` is checked after each run: a
     suite that takes longer is reported as over budget (it still completes).
     """
 
