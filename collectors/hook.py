@@ -58,12 +58,14 @@ from collectors.stacks import StackDump, dump_stacks
 from collectors.values import found_inf, learning_rate, local_value, loss_scale, on_device
 from collectors.window import (
     Counting,
+    Microbatch,
     PendingWindow,
     RenderContext,
-    StepDraft,
     Totals,
     WindowValues,
+    label_rows,
     render_ids,
+    settle_on_host,
 )
 from collectors.wire import Record, to_wire
 
@@ -137,7 +139,7 @@ class RunHealth:
         # Records handed over before start, sent at start; events get the identity then.
         self._early: list[tuple[Record, bool]] = []
         self._resume: ResumeNote | None = None
-        self._totals = Totals()
+        self._totals: Totals | None = None  # made only when a window has device parts or folds
         self._forward_hooked = False
         hook_config = self.config.hook
         self._counting = Counting(hook_config.shift_labels, hook_config.ignore_index)
@@ -213,6 +215,12 @@ class RunHealth:
             self._phases,
         )
         self._dp_size = self.identity.layout.dp.size
+        self._agree_every = self.config.hook.agree_every
+        # True until a window goes through the ring: while it is, and phases are stamped on the
+        # host, a window with nothing on the device is complete at its end and goes straight
+        # to the sender, without the ring or its lock (every step of a CPU run). On a GPU its
+        # phase events still need the ring's marker.
+        self._ring_idle = self._phases.host_timed
 
     def _after_attach(self) -> None:
         self._sender.start()
@@ -331,7 +339,10 @@ class RunHealth:
                 yield batch
             self.window_end()
 
-    @guarded
+    # The step-path entry points below catch their own exceptions inline instead of through
+    # ``@guarded``: its extra frame and argument packing cost microseconds per call once a
+    # training step has evicted the caches, and they run several times a step.
+
     def window_start(
         self,
         *,
@@ -342,16 +353,24 @@ class RunHealth:
         """Open a window. ``sample_ids``: host ints or strings (a list, or a CPU tensor or
         array; a CUDA tensor is ignored, since reading it would sync). ``examples``: this rank's
         example count when it is not the number of ids or label rows."""
-        self.start()
+        try:
+            self._open_window(sample_ids, examples, data_wait_s)
+        except Exception:
+            self.faults.record("window_start")
+
+    def _open_window(self, sample_ids: Any, examples: int | None, data_wait_s: float | None) -> None:
         if not self._active:
-            return
+            self.start()
+            if not self._active:
+                return
         if self._window is not None:  # the trainer skipped window_end: close the open one
             self.window_end()
         self._boundary()
         if data_wait_s is None and self._last_end is not None:
             data_wait_s = time.perf_counter() - self._last_end
         self._attempt += 1
-        window = WindowValues(self._attempt, data_wait_s, self._sample_ids(sample_ids), examples)
+        ids = list(sample_ids) if type(sample_ids) is list else self._sample_ids(sample_ids)
+        window = WindowValues(self._attempt, data_wait_s, ids, examples)
         if self._scaler is not None:
             window.loss_scale = loss_scale(self._scaler)
         if self._optimizers:
@@ -361,7 +380,6 @@ class RunHealth:
         if self._resume is not None:
             self._flush_resume()
 
-    @guarded
     def loss(
         self,
         loss: Any,
@@ -377,27 +395,32 @@ class RunHealth:
         or ``labels`` (counted as ``tokens.py`` says) give the supervised tokens. Only kept
         here; settled at the window's end.
         """
-        window = self._window
-        if window is None:
-            self._note_once("loss", "loss() outside a window is ignored (call window_start)")
-            return
-        window.sum_reduction = reduction == "sum"
-        window.count += 1
-        if window.count == 2 and not self._forward_hooked:
-            self._hook_forward()
-        window.microbatches.append((loss, labels, tokens))
-        if len(window.microbatches) >= FOLD_MICROBATCHES:
-            self._settle(window)
-        self._phases.enter(Phase.BACKWARD)
+        try:
+            window = self._window
+            if window is None:
+                self._note_once("loss", "loss() outside a window is ignored (call window_start)")
+                return
+            window.sum_reduction = reduction == "sum"
+            window.count += 1
+            if window.count == 2 and not self._forward_hooked:
+                self._hook_forward()
+            window.microbatches.append((loss, labels, tokens))
+            if len(window.microbatches) >= FOLD_MICROBATCHES:
+                self._settle(window)
+            self._phases.enter(Phase.BACKWARD)
+        except Exception:
+            self.faults.record("loss")
 
-    @guarded
     def grad_norm(self, norm: Any) -> None:
         """The total gradient norm before clipping (what ``clip_grad_norm_`` returns). Under
         tensor or sharded parallelism pass what this rank has: the record marks it partial."""
-        window = self._window
-        if window is not None:
-            window.grad_norm = norm
-            self._phases.enter(Phase.OPTIMIZER)
+        try:
+            window = self._window
+            if window is not None:
+                window.grad_norm = norm
+                self._phases.enter(Phase.OPTIMIZER)
+        except Exception:
+            self.faults.record("grad_norm")
 
     @guarded
     def optimizer_step_observed(self) -> None:
@@ -406,26 +429,28 @@ class RunHealth:
         if self._window is not None:
             self._window.updates += 1
 
-    @guarded
     def window_end(self) -> None:
         """Close the window and start its device values' trip to the host; hand the windows
         whose values have arrived to the sender. Never waits for the device, except when the
         ring is full (``PinnedRing.pop_oldest``)."""
-        window = self._window
-        if window is None or not self._active:
-            return
+        try:
+            window = self._window
+            if window is not None and self._active:
+                self._close_window(window)
+        except Exception:
+            self.faults.record("window_end")
+
+    def _close_window(self, window: WindowValues) -> None:
         self._window = None
         self._phases.enter(Phase.DATA)
         self._last_end = time.perf_counter()
         pending, tensors = self._finish(window)
+        if not tensors and self._ring_idle:
+            self._sender.submit(pending)  # complete already (see ``_ring_idle``)
+            return
+        self._ring_idle = False
         with self._lock:
             ring = self._ring
-            if not tensors and not len(ring) and self._phases.host_timed:
-                # Nothing on the device, nothing in flight, phases timed by the host clock
-                # (every step of a CPU run): the window is complete already, and the ring would
-                # only add cost. On a GPU its phase events still need the ring's marker.
-                self._emit([(pending, [])])
-                return
             ready = ring.pop_ready()
             if ring.full:
                 ready.append(ring.pop_oldest())
@@ -436,39 +461,71 @@ class RunHealth:
     def _settle(self, window: WindowValues) -> None:
         """Microbatches taken as given become settled totals; a window of very many folds."""
         totals = self._totals
-        count_rows = window.examples is None and window.sample_ids is None
-        totals.settle(window.microbatches, window.sum_reduction, self._counting, count_rows)
+        if totals is None:
+            totals = self._totals = Totals()
+        totals.settle(window.microbatches, window.sum_reduction, self._counting, window.counts_rows())
         window.microbatches = []
         if len(totals.host) + len(totals.device_losses) >= FOLD_MICROBATCHES:
             totals.fold(self._torch, window.sum_reduction, self._counting)
 
     def _finish(self, window: WindowValues) -> tuple[PendingWindow, list[torch.Tensor]]:
         """Settle the window, advance the three counters, split host facts from device values."""
-        self._settle(window)
-        totals, self._totals = self._totals, Totals()
-        window.grad_norm = local_value(window.grad_norm, self._device)
-        # A device verdict is unknown here: counted as an update now, corrected when rendered.
+        totals, host, rows = self._settle_window(window)
+        if window.grad_norm is not None:
+            window.grad_norm = local_value(window.grad_norm, self._device)
+        updated = self._advance(window, rows)
+        names: tuple[str, ...] = ()
+        tensors: list[torch.Tensor] = []
+        if totals is not None or not window.scalars_on_host():
+            names, tensors = (totals or Totals()).device_values(window, self._torch)
+        skipped = (not updated) if self._optimizers else None
+        marks = self._phases.take_window()
+        pending = PendingWindow(
+            self._render_context,
+            window,
+            totals,
+            host,
+            self._step,
+            self._consumed,
+            skipped,
+            self._clock(),
+            names,
+            marks,
+        )
+        return pending, tensors
+
+    def _settle_window(self, window: WindowValues) -> tuple[Totals | None, list[Microbatch], int]:
+        """The window's settled totals (None in the common case: every value on the host and
+        nothing folded), its host microbatches outside them, and its label rows."""
+        host = settle_on_host(window.microbatches) if self._totals is None else None
+        if host is None:
+            self._settle(window)
+        totals, self._totals = self._totals, None
+        rows = totals.rows if totals is not None else 0
+        if host is not None and window.counts_rows():
+            rows = label_rows(window.microbatches)
+        window.microbatches = []  # the window keeps no loss that still holds its graph
+        return totals, host or [], rows
+
+    def _advance(self, window: WindowValues, rows: int) -> bool:
+        """Count the attempt's update and its examples; True when it updated (as far as the
+        host knows: a device verdict is counted as an update now, corrected when rendered)."""
         updated = window.updates > 0 or bool(window.verdicts)
         if updated or not self._optimizers:
             self._step += 1
-        examples = window.local_examples(totals)
+        examples = window.local_examples(rows)
         if examples is None:
             self._consumed = None  # unknown from here on, rather than wrong
         elif self._consumed is not None:
             self._consumed += examples * self._dp_size
-        names, tensors = totals.device_values(window, self._torch)
-        skipped = (not updated) if self._optimizers else None
-        marks = self._phases.take_window()
-        pending = PendingWindow(
-            window, totals, self._step, self._consumed, skipped, self._clock(), names, marks
-        )
-        return pending, tensors
+        return updated
 
     def _emit(self, ready: list[tuple[PendingWindow, list[float]]]) -> None:
-        """Hand completed windows to the sender as drafts (the caller holds the lock, so the
-        order is kept); the sender renders them into records."""
+        """Hand completed windows to the sender (the caller holds the lock, so the order is
+        kept); the sender renders them into records."""
         for pending, values in ready:
-            self._sender.submit(StepDraft(self._render_context, pending, values))
+            pending.device_values = values
+            self._sender.submit(pending)
 
     def _drain_ready(self) -> None:
         """From the sender thread: records reach the store while the trainer is stuck."""
@@ -503,26 +560,34 @@ class RunHealth:
         if self._window is not None:
             self._phases.enter(Phase.FORWARD)
 
-    @guarded
     def _before_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        window = self._window
-        if window is not None:
-            self._phases.enter(Phase.OPTIMIZER)
-            window.lr = learning_rate(optimizer)  # the rate this update uses
+        try:
+            window = self._window
+            if window is not None:
+                self._phases.enter(Phase.OPTIMIZER)
+                window.lr = learning_rate(optimizer)  # the rate this update uses
+        except Exception:
+            self.faults.record("_before_optimizer_step")
 
-    @guarded
     def _after_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """The step ran. With a GradScaler, an optimizer that handles AMP scaling itself (fused
         Adam, AdamW, SGD) is stepped even when the gradients overflowed, and skips the update
         inside its kernel: the scaler's found-inf flag (set on the optimizer for the step) says
         which. On the CPU it is read at once; on a device it travels through the ring."""
-        window = self._window
-        if window is None:
-            return
-        flag = found_inf(optimizer)
-        if flag is None:
-            window.updates += 1
-        elif flag.is_cpu:
+        try:
+            window = self._window
+            if window is None:
+                return
+            flag = found_inf(optimizer)
+            if flag is None:  # the common case, kept inline (the step path)
+                window.updates += 1
+            else:
+                self._count_flagged_update(window, flag)
+        except Exception:
+            self.faults.record("_after_optimizer_step")
+
+    def _count_flagged_update(self, window: WindowValues, flag: Any) -> None:
+        if flag.is_cpu:
             window.updates += int(flag.item() == 0)
         else:
             window.verdicts = [*(window.verdicts or []), flag]
@@ -723,7 +788,7 @@ class RunHealth:
         local = self._armory.take_local()
         if local is not None:
             self._act(local)
-        if self._attempt % self.config.hook.agree_every:
+        if self._attempt % self._agree_every:
             return
         agreed = self._consensus.exchange(self._armory.oldest_armed())
         directive = self._armory.known(agreed) if agreed else None

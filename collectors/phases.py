@@ -1,8 +1,8 @@
 """Where the training thread is: the current phase for heartbeats, phase times per window.
 
 ``enter`` is called from the training thread at each phase change. It replaces one immutable
-``PhaseState`` (a single reference assignment, so the sender thread always reads a consistent
-pair) and stamps the change: with a CUDA event on a GPU, with the thread's CPU time on the CPU
+mark (a single reference assignment, so the sender thread always reads a consistent phase and
+time) and stamps the change: with a CUDA event on a GPU, with the thread's CPU time on the CPU
 (``CpuStamps`` says why). A window's stamps are read for its timings only once the window's ring
 slot completed, so its events have completed too (same stream, recorded earlier).
 """
@@ -10,8 +10,9 @@ slot completed, so its events have completed too (same stream, recorded earlier)
 from __future__ import annotations
 
 import enum
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from collectors.markers import CudaMarker
@@ -27,7 +28,7 @@ class Phase(enum.StrEnum):
 
 
 class PhaseState(NamedTuple):
-    """Immutable, and cheaper to make than a dataclass: one is made per phase change."""
+    """The current phase, as heartbeats read it."""
 
     phase: Phase
     since: float  # perf_counter seconds; ``PhaseClock.epoch`` converts
@@ -36,7 +37,7 @@ class PhaseState(NamedTuple):
 class Stamps(Protocol):
     """How phase changes are timed: a stamp per change, seconds between two stamps."""
 
-    def stamp(self, now: float) -> Any: ...
+    def stamp(self) -> Any: ...
 
     def seconds(self, start: Any, end: Any) -> float: ...
 
@@ -44,10 +45,10 @@ class Stamps(Protocol):
 
 
 class WallStamps:
-    """CPU: the ``perf_counter`` reading ``enter`` took anyway."""
+    """Wall time (``perf_counter``): tests, and any host clock that is not the thread's."""
 
-    def stamp(self, now: float) -> float:
-        return now
+    # The builtin itself, not a method: ``PhaseClock`` calls it with no Python frame between.
+    stamp = staticmethod(time.perf_counter)
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
@@ -62,8 +63,7 @@ class CpuStamps:
     core is not a slow device, and time blocked in a collective (gloo waits, it does not spin)
     is not compute. Data wait is wall time, measured apart (``RunHealth.windows``)."""
 
-    def stamp(self, now: float) -> float:
-        return time.thread_time()
+    stamp = staticmethod(time.thread_time)  # as in ``WallStamps``: no Python frame per stamp
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
@@ -79,7 +79,7 @@ class CudaStamps:
     def __init__(self) -> None:
         self._pool: list[CudaMarker] = []
 
-    def stamp(self, now: float) -> CudaMarker:
+    def stamp(self) -> CudaMarker:
         marker = self._pool.pop() if self._pool else CudaMarker()
         marker.record()
         return marker
@@ -95,20 +95,30 @@ def stamps_for(device_type: str) -> Stamps:
     return CudaStamps() if device_type == "cuda" else CpuStamps()
 
 
+# One phase change: (phase, perf_counter seconds, stamp). A plain tuple, made once per change
+# and used both as the current state and as the window's mark: on the training thread each
+# object made costs a few microseconds once a training step has evicted the caches.
+Mark = tuple[Phase, float, Any]
+
+
 class PhaseMarks(NamedTuple):
     """A window's phase changes, in order; the last one only closes the one before it."""
 
-    marks: tuple[tuple[Phase, Any], ...]
+    marks: Sequence[Mark]
     complete: bool  # False when the window had more changes than the clock keeps
 
     def durations(self, stamps: Stamps) -> dict[Phase, float] | None:
-        if not self.complete or len(self.marks) < 2:
+        marks = self.marks
+        if not self.complete or len(marks) < 2:
             return None
-        spent = dict.fromkeys((Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER), 0.0)
-        for (phase, start), (_, end) in zip(self.marks, self.marks[1:], strict=False):
+        spent = dict.fromkeys(TIMED, 0.0)
+        for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
             if phase in spent:
                 spent[phase] += stamps.seconds(start, end)
         return spent
+
+
+TIMED = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
 
 class PhaseClock:
@@ -118,34 +128,50 @@ class PhaseClock:
     def __init__(self, stamps: Stamps, max_marks: int, wall: Callable[[], float] = time.time) -> None:
         self.stamps = stamps
         self.host_timed = isinstance(stamps, WallStamps | CpuStamps)  # stamps complete when taken
-        self._wall = isinstance(stamps, WallStamps)  # the perf_counter reading is the stamp
+        self._stamp = stamps.stamp  # bound once: ``enter`` runs several times a step
         self._max_marks = max_marks
-        self._marks: list[tuple[Phase, Any]] = []
+        self._marks: list[Mark] = []
         self._overflow = False
         now = time.perf_counter()
         self._epoch_offset = wall() - now
-        self.state = PhaseState(Phase.IDLE, now)
+        # Replaced whole by the training thread (one reference assignment), read by the sender
+        # thread: always a consistent (phase, since) pair.
+        self._current: Mark = (Phase.IDLE, now, None)
 
     def enter(self, phase: Phase) -> None:
-        # Called several times per step on the training thread: kept to a handful of operations.
-        if phase is self.state[0]:
+        # Called several times per step on the training thread: a handful of operations, one
+        # tuple, no Python call besides this one.
+        if phase is self._current[0]:
             return
-        now = time.perf_counter()
-        self.state = PhaseState(phase, now)
+        mark = (phase, time.perf_counter(), self._stamp())
+        self._current = mark
         if len(self._marks) < self._max_marks:
-            self._marks.append((phase, now if self._wall else self.stamps.stamp(now)))
+            self._marks.append(mark)
         else:
             self._overflow = True
+
+    @property
+    def state(self) -> PhaseState:
+        """The current phase and since when (heartbeats, on the sender thread)."""
+        phase, since, _ = self._current
+        return PhaseState(phase, since)
+
+    @property
+    def since(self) -> float:
+        """When the current phase began (``perf_counter`` seconds)."""
+        return self._current[1]
 
     def epoch(self, perf_seconds: float) -> float:
         """A ``perf_counter`` reading as epoch seconds (what heartbeats carry)."""
         return self._epoch_offset + perf_seconds
 
     def take_window(self) -> PhaseMarks:
-        """The marks since the last call; whoever reads them releases them afterwards."""
-        taken = PhaseMarks(tuple(self._marks), complete=not self._overflow)
+        """The marks since the last call; whoever reads them releases them afterwards. The list
+        itself changes hands (no copy): this clock starts a new one."""
+        taken = PhaseMarks(self._marks, not self._overflow)
         self._marks, self._overflow = [], False
         return taken
 
     def release(self, taken: PhaseMarks) -> None:
-        self.stamps.release([stamp for _, stamp in taken.marks])
+        if not self.host_timed:  # host stamps are plain numbers: nothing to give back
+            self.stamps.release([stamp for _, _, stamp in taken.marks])

@@ -96,6 +96,8 @@ class Sender:
         self._poll = poll
         self._clock = clock
         self._queue: deque[Record | Draft] = deque()
+        # ``submit`` runs on the training thread every step: its limits read without a chain.
+        self._queue_records, self._batch_records = config.queue_records, config.batch_records
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runhealth-sender", daemon=True)
@@ -118,12 +120,13 @@ class Sender:
     def submit(self, record: Record | Draft) -> None:
         """Queue a record (or a draft rendered here later); never blocks. A full queue drops
         the record and counts it."""
-        if len(self._queue) >= self._config.queue_records:
+        queue = self._queue
+        if len(queue) >= self._queue_records:
             self._counters.add("dropped")
             self._log_once("queue_full", "the record queue is full: dropping records")
             return
-        self._queue.append(record)
-        if len(self._queue) >= self._config.batch_records:
+        queue.append(record)
+        if len(queue) >= self._batch_records:
             self._wake.set()
 
     def close(self) -> None:

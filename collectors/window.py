@@ -99,12 +99,26 @@ class WindowValues:
     updates: int = 0  # optimizer steps known on the host to have updated
     verdicts: list[Any] | None = None  # device found-inf flags of fused optimizers' steps
 
-    def local_examples(self, totals: Totals) -> int | None:
+    def local_examples(self, rows: int) -> int | None:
+        """This rank's examples: as given, else the sample ids, else the label rows."""
         if self.examples is not None:
             return self.examples
         if self.sample_ids is not None:
             return len(self.sample_ids)
-        return totals.rows or None
+        return rows or None
+
+    def counts_rows(self) -> bool:
+        """Label rows are the example count only when neither examples nor ids were given."""
+        return self.examples is None and self.sample_ids is None
+
+    def scalars_on_host(self) -> bool:
+        """No device scalar (grad norm, loss scale, lr) and no device found-inf flag."""
+        return (
+            getattr(self.grad_norm, "is_cpu", True)
+            and getattr(self.loss_scale, "is_cpu", True)
+            and getattr(self.lr, "is_cpu", True)
+            and not self.verdicts
+        )
 
 
 @dataclass(slots=True)
@@ -171,7 +185,7 @@ class Totals:
 
     def device_values(self, window: WindowValues, torch: Any) -> tuple[tuple[str, ...], list[Any]]:
         """The device tensors for the ring, one per quantity (0-dim), and their names."""
-        values = {}
+        values: dict[str, Any] = {}
         for name, parts in (
             ("loss_sum", self.device_loss_sums),
             ("tokens", self.device_tokens),
@@ -188,19 +202,143 @@ class Totals:
         return tuple(values), list(values.values())
 
 
-@dataclass(slots=True)
-class PendingWindow:
-    """A finished window waiting for its device values. Not frozen: a frozen dataclass costs
-    the training thread an ``object.__setattr__`` per field, and nothing writes this anyway."""
+def settle_on_host(microbatches: Sequence[Microbatch]) -> list[Microbatch] | None:
+    """The common case, settled without a ``Totals``: every microbatch on the host. Losses are
+    detached (holding a loss until it is rendered must not hold its autograd graph); labels
+    beside a token count are dropped, as ``Totals.settle`` does. None when anything is on a
+    device: ``Totals.settle`` sums those on the device."""
+    host = []
+    for loss, labels, tokens in microbatches:
+        if not (
+            getattr(loss, "is_cpu", True)
+            and getattr(labels, "is_cpu", True)
+            and getattr(tokens, "is_cpu", True)
+        ):
+            return None
+        if getattr(loss, "requires_grad", False):
+            loss = loss.detach()
+        host.append((loss, labels if tokens is None else None, tokens))
+    return host
 
-    values: WindowValues
-    totals: Totals
-    step: int
-    consumed: int | None
-    skipped: bool | None
-    time: float
-    device_names: tuple[str, ...]  # what each value in the ring slot is
-    marks: PhaseMarks
+
+def label_rows(microbatches: Sequence[Microbatch]) -> int:
+    """Label rows (host shapes: no sync), the example count when none was given."""
+    return sum(int(labels.shape[0]) for _, labels, _ in microbatches if labels is not None)
+
+
+class PendingWindow(Draft):
+    """A finished window: waiting for its device values in the ring (``device_values`` is set
+    when they arrive), then rendered into a record on the sender thread. One object per window
+    carries everything: on the training thread each object made costs microseconds."""
+
+    __slots__ = (
+        "consumed",
+        "context",
+        "device_names",
+        "device_values",
+        "host",
+        "marks",
+        "skipped",
+        "step",
+        "time",
+        "totals",
+        "values",
+    )
+
+    def __init__(
+        self,
+        context: RenderContext,
+        values: WindowValues,
+        totals: Totals | None,
+        host: list[Microbatch],
+        step: int,
+        consumed: int | None,
+        skipped: bool | None,
+        time: float,
+        device_names: tuple[str, ...],
+        marks: PhaseMarks,
+    ) -> None:
+        self.context = context
+        self.values = values
+        self.totals = totals  # None when nothing was on a device or folded (the common case)
+        self.host = host  # host microbatches not in ``totals``, losses detached
+        self.step = step
+        self.consumed = consumed
+        self.skipped = skipped
+        self.time = time
+        self.device_names = device_names  # what each value in the ring slot is
+        self.device_values: list[float] = []
+        self.marks = marks
+
+    def render(self) -> Record:
+        phases = self.context.phases
+        try:
+            return self._record(self._values(), self.marks.durations(phases.stamps))
+        finally:
+            phases.release(self.marks)
+
+    def _values(self) -> dict[str, float | None]:
+        window, totals = self.values, self.totals
+        sums = totals.folded.copy() if totals is not None else Sums()
+        counting = self.context.counting
+        for microbatch in self.host if totals is None else [*totals.host, *self.host]:
+            add_host(sums, microbatch, window.sum_reduction, counting)
+        device = dict(zip(self.device_names, self.device_values, strict=True)) if self.device_names else {}
+        has_loss = window.count > 0
+        values: dict[str, float | None] = {
+            "tokens": sums.tokens + device.get("tokens", 0.0) if has_loss and sums.tokens_known else None,
+            "loss_sum": sums.loss_sum + device.get("loss_sum", 0.0) if has_loss and sums.sum_known else None,
+            "loss_total": sums.loss_total + device.get("loss_total", 0.0) if has_loss else None,
+        }
+        for name in SCALARS:
+            value = getattr(window, name)
+            values[name] = device[name] if name in device else None if value is None else host_float(value)
+        return values
+
+    def _verdict(self) -> tuple[int, bool | None]:
+        """The step number and skip flag, once a device-only verdict is known."""
+        skipped, skips = self.skipped, self.context.device_skips
+        if "found_inf" in self.device_names:
+            found_inf = self.device_values[self.device_names.index("found_inf")]
+            skipped = found_inf > 0 and self.values.updates == 0
+            skips.count += int(skipped)
+        return self.step - skips.count, skipped
+
+    def _record(self, values: dict[str, float | None], spent: dict[Phase, float] | None) -> Record:
+        window = self.values
+        step, skipped = self._verdict()
+        record: Record = {
+            "kind": "step",
+            **self.context.identity,
+            "attempt": window.attempt,
+            "step": step,
+            "time": self.time,
+            "microbatches": window.count,
+        }
+        tokens = values["tokens"]
+        optional: tuple[tuple[str, Any], ...] = (
+            ("skipped", skipped),
+            ("consumed", self.consumed),
+            ("sample_ids", render_ids(window.sample_ids, self.context.max_sample_ids)),
+            ("tokens", int(tokens) if tokens is not None else None),
+            ("loss_sum", values["loss_sum"]),
+            ("reported_loss", reported_loss(values, window)),
+            ("grad_norm", values["grad_norm"]),
+            ("lr", values["lr"]),
+            ("loss_scale", values["loss_scale"]),
+            ("data_wait_s", window.data_wait_s),
+        )
+        for name, value in optional:
+            if value is not None:
+                record[name] = wire_float(value) if isinstance(value, float) else value
+        if spent:
+            for phase, seconds in spent.items():
+                record[PHASE_FIELDS[phase]] = wire_float(seconds)
+        return record
+
+
+# Record fields of the phase timings (an enum's ``.value`` is a Python-level lookup).
+PHASE_FIELDS = {phase: f"{phase.value}_s" for phase in Phase}
 
 
 def total(items: Sequence[Value], torch: Any) -> Value:
@@ -240,82 +378,6 @@ class RenderContext:
     max_sample_ids: int
     phases: PhaseClock
     device_skips: DeviceSkips = field(default_factory=DeviceSkips)
-
-
-class StepDraft(Draft):
-    """A window whose values are all on the host; rendered into a record on the sender thread."""
-
-    __slots__ = ("context", "device_values", "pending")
-
-    def __init__(self, context: RenderContext, pending: PendingWindow, device_values: list[float]) -> None:
-        self.context = context
-        self.pending = pending
-        self.device_values = device_values
-
-    def render(self) -> Record:
-        pending, phases = self.pending, self.context.phases
-        try:
-            return self._record(pending, self._values(pending), pending.marks.durations(phases.stamps))
-        finally:
-            phases.release(pending.marks)
-
-    def _values(self, pending: PendingWindow) -> dict[str, float | None]:
-        window, totals = pending.values, pending.totals
-        sums = totals.folded.copy()
-        for microbatch in totals.host:
-            add_host(sums, microbatch, window.sum_reduction, self.context.counting)
-        device = dict(zip(pending.device_names, self.device_values, strict=True))
-        has_loss = window.count > 0
-        values: dict[str, float | None] = {
-            "tokens": sums.tokens + device.get("tokens", 0.0) if has_loss and sums.tokens_known else None,
-            "loss_sum": sums.loss_sum + device.get("loss_sum", 0.0) if has_loss and sums.sum_known else None,
-            "loss_total": sums.loss_total + device.get("loss_total", 0.0) if has_loss else None,
-        }
-        for name in SCALARS:
-            value = getattr(window, name)
-            values[name] = device[name] if name in device else None if value is None else host_float(value)
-        return values
-
-    def _verdict(self, pending: PendingWindow) -> tuple[int, bool | None]:
-        """The step number and skip flag, once a device-only verdict is known."""
-        skipped = pending.skipped
-        if "found_inf" in pending.device_names:
-            found_inf = self.device_values[pending.device_names.index("found_inf")]
-            skipped = found_inf > 0 and pending.values.updates == 0
-            self.context.device_skips.count += int(skipped)
-        return pending.step - self.context.device_skips.count, skipped
-
-    def _record(
-        self, pending: PendingWindow, values: dict[str, float | None], spent: dict[Phase, float] | None
-    ) -> Record:
-        window = pending.values
-        step, skipped = self._verdict(pending)
-        record: Record = {
-            "kind": "step",
-            **self.context.identity,
-            "attempt": window.attempt,
-            "step": step,
-            "time": pending.time,
-            "microbatches": window.count,
-        }
-        tokens = values["tokens"]
-        optional: dict[str, Any] = {
-            "skipped": skipped,
-            "consumed": pending.consumed,
-            "sample_ids": render_ids(window.sample_ids, self.context.max_sample_ids),
-            "tokens": int(tokens) if tokens is not None else None,
-            "loss_sum": values["loss_sum"],
-            "reported_loss": reported_loss(values, window),
-            "grad_norm": values["grad_norm"],
-            "lr": values["lr"],
-            "loss_scale": values["loss_scale"],
-            "data_wait_s": window.data_wait_s,
-            **({f"{phase.value}_s": seconds for phase, seconds in spent.items()} if spent else {}),
-        }
-        for name, value in optional.items():
-            if value is not None:
-                record[name] = wire_float(value) if isinstance(value, float) else value
-        return record
 
 
 def reported_loss(values: dict[str, float | None], window: WindowValues) -> float | None:

@@ -436,12 +436,20 @@ def test_host_buffers_are_pinned_only_for_cuda() -> None:
         ring.push([torch.tensor(0.0)] * 9, 0)
 
 
+def tensors_as_device_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take CPU tensors for device tensors: in ``on_device``, and in the hook's all-on-the-host
+    fast path, which checks inline (it runs every step)."""
+    monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
+    monkeypatch.setattr("collectors.hook.settle_on_host", lambda microbatches: None)
+    monkeypatch.setattr("collectors.window.WindowValues.scalars_on_host", lambda self: False)
+
+
 def test_device_values_travel_through_the_ring(
     tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A CPU run has nothing on a device; here CPU tensors are taken for device tensors, so the
     hook's ring path (pack, copy, markers, a full ring) runs as it does on a GPU."""
-    monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
+    tensors_as_device_tensors(monkeypatch)
     config = dataclasses.replace(hook_config(tmp_path), ring=RingConfig(slots=2))
     markers: list[FakeMarker] = []
 
@@ -475,7 +483,7 @@ def test_a_device_loss_with_a_host_token_count(
 ) -> None:
     """Device loss, count given as an int or from CPU labels: the sum is a device op, the count
     a host number; both arrive in one record."""
-    monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
+    tensors_as_device_tensors(monkeypatch)
     with attach(tmp_path, transport) as rh:
         rh.window_start()
         rh.loss(torch.tensor(2.0), tokens=3)
@@ -491,7 +499,7 @@ class ListedStamps:
     def __init__(self, times: list[float]) -> None:
         self._times = iter(times)
 
-    def stamp(self, now: float) -> float:
+    def stamp(self) -> float:
         return next(self._times)
 
     def seconds(self, start: float, end: float) -> float:

@@ -4,6 +4,7 @@ dead letters for invalid or conflicting records, 413 splits, and a spool a new p
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import socket
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 from collectors import RunHealth, RunHealthConfig
 from collectors.counters import Counters
+from collectors.http11 import HttpConnection
 from collectors.sender import Sender, SenderConfig
 from collectors.spool import Spool, SpoolConfig
 from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
@@ -284,3 +286,95 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_not_reported_down
         server.server_close()
         thread.join()
     assert outcomes == [Outcome.DELIVERED] * 3
+
+
+class CannedServer:
+    """A socket server that answers each request with the next canned response, as raw bytes,
+    and records the requests it read (head and body)."""
+
+    def __init__(self, responses: list[bytes]) -> None:
+        self._responses = list(responses)
+        self.requests: list[bytes] = []
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while self._responses:
+            connection, _ = self._socket.accept()
+            with connection:
+                while self._responses and self._answer(connection):
+                    pass
+
+    def _answer(self, connection: socket.socket) -> bool:
+        """One request, one response; False when the client or the response closed it."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = connection.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+        while len(body) < length:
+            body += connection.recv(65536)
+        self.requests.append(head + b"\r\n\r\n" + body)
+        response = self._responses.pop(0)
+        connection.sendall(response)
+        return b"connection: close" not in response.lower()
+
+    def close(self) -> None:
+        self._socket.close()
+        self._thread.join(timeout=2.0)
+
+
+def test_answers_in_every_framing_http_allows_are_read_whole() -> None:
+    body = b'{"accepted": 1}'
+    server = CannedServer(
+        [
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n" + body,
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5;ext=1\r\n" + body[:5] + b"\r\na\r\n" + body[5:] + b"\r\n0\r\nx-trailer: t\r\n\r\n",
+            b"HTTP/1.1 201 Created\r\nConnection: close\r\n\r\n" + body,  # delimited by the close
+            b"HTTP/1.1 422 Unprocessable\r\nContent-Length: 25\r\n\r\n" + b'{"problems":[{"index":0}]}'[:25],
+        ]
+    )
+    try:
+        connection = HttpConnection(
+            "127.0.0.1", int(server.url.rsplit(":", 1)[1]), https=False, timeout_s=5.0
+        )
+        headers = {"content-type": "application/json"}
+        assert connection.request("POST", "/a", b"[1]", headers) == (200, body)
+        assert connection.request("POST", "/b", b"[2]", headers) == (200, body)  # same connection
+        assert connection.request("GET", "/c", None, {}) == (201, body)
+        assert not connection.is_open  # the server closed it; the next request reconnects
+        status, _ = connection.request("POST", "/d", b"[4]", headers)
+        assert status == 422
+        connection.close()
+    finally:
+        server.close()
+    first, second, third, _ = server.requests
+    assert first.startswith(b"POST /a HTTP/1.1\r\nhost: 127.0.0.1:") and first.endswith(b"\r\n\r\n[1]")
+    assert b"content-length: 3\r\n" in first and b"content-type: application/json\r\n" in first
+    assert second.startswith(b"POST /b ") and third.startswith(b"GET /c ")
+    assert b"content-length" not in third
+
+
+def test_a_server_that_closes_without_answering_is_a_remote_disconnect() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def hang_up() -> None:
+            connection, _ = server.accept()
+            connection.recv(65536)
+            connection.close()
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        connection = HttpConnection("127.0.0.1", port, https=False, timeout_s=5.0)
+        with pytest.raises(http.client.RemoteDisconnected):
+            connection.request("GET", "/", None, {})
+        connection.close()
+        thread.join(timeout=2.0)
