@@ -208,7 +208,10 @@ class PolicyEngine:
             return []
         with self._lock, self._engine.begin() as connection:
             findings = judge_resumes(connection, run_id, rows, self._config.series.continuity)
-            return self.incidents.record(connection, run_id, findings, self.last_step(run_id))
+            # Found when the resume record arrived, before the resumed run's first window: the
+            # run stands at the step it resumed at, not at the abandoned one judged last.
+            detected = min((f.step for f in findings), default=self.last_step(run_id))
+            return self.incidents.record(connection, run_id, findings, detected)
 
     def forget(self, run_id: int) -> None:
         with self._lock:
@@ -298,7 +301,16 @@ class PolicyEngine:
             by_incarnation.setdefault(summary["incarnation"], []).append(summary)
         self._learn_world_sizes(connection, run_id, state, by_incarnation)
         ready: list[dict[str, Any]] = []
-        for incarnation, summaries in by_incarnation.items():
+        # A job that restarted sends nothing more for the incarnations before its newest, so their
+        # windows are ready now and judged first: after the new one's, they would look like one
+        # more restart.
+        order = self._start_order(connection, run_id, list(by_incarnation))
+        newest_incarnation = order[-1]
+        for incarnation in order:
+            summaries = by_incarnation[incarnation]
+            if incarnation != newest_incarnation:
+                ready += sorted(summaries, key=lambda s: s["attempt"])
+                continue
             summaries.sort(key=lambda s: s["attempt"])
             newest = summaries[-1]["attempt"]
             newest_time = max(s["last_time"] for s in summaries)
@@ -314,6 +326,19 @@ class PolicyEngine:
                     break  # judge in order: a later window waits for this one
                 ready.append(summary)
         return ready
+
+    def _start_order(self, connection: Connection, run_id: int, incarnations: list[str]) -> list[str]:
+        """Incarnations in the order they began (their run_start or first record); those the
+        store does not know yet keep their order of first pending window, after the known."""
+        known = dict(
+            connection.execute(
+                sa.select(INCARNATION.c.incarnation, INCARNATION.c.id).where(
+                    INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation.in_(incarnations)
+                )
+            ).all()
+        )
+        position = {inc: (0, known[inc]) if inc in known else (1, i) for i, inc in enumerate(incarnations)}
+        return sorted(incarnations, key=position.__getitem__)
 
     def _learn_world_sizes(
         self,

@@ -156,3 +156,27 @@ def test_a_paused_runs_last_windows_are_judged_by_the_periodic_pass(tmp_path: Pa
     service.judge_waiting()
     assert judged(service) == list(range(1, 12))
     assert service.policies.waiting_runs() == []
+
+
+def test_a_restart_releases_the_old_incarnations_windows_first(tmp_path: Path) -> None:
+    service, run_id = make_service(tmp_path / "s.db")
+    old, new = str(uuid.uuid4()), str(uuid.uuid4())
+
+    def window(incarnation: str, a: int, rank: int, lr: float) -> dict:
+        return {**steps(range(a, a + 1), (rank,))[0], "incarnation": incarnation, "lr": lr}
+
+    post(service, run_id, [{"kind": "run_start", "incarnation": old, "time": 0.0, "world_size": 2}])
+    records = [window(old, a, r, 1e-4 if a == 1 else 1e-3) for a in range(1, 11) for r in (0, 1)]
+    post(service, run_id, [r for r in records if not (r["attempt"] >= 9 and r["rank"] == 1)])
+    assert judged(service) == list(range(1, 9))  # 9 and 10 wait for rank 1, which died
+    post(service, run_id, [{"kind": "run_start", "incarnation": new, "time": 11.0, "world_size": 2}])
+    # Resumed from step 8 with the schedule back at its warm-up value.
+    post(service, run_id, [window(new, a, r, 1e-4) for a in range(9, 12) for r in (0, 1)])
+    table = models.StepSummary.__table__
+    with service.engine.connect() as connection:
+        order = connection.execute(
+            sa.select(table.c.incarnation, table.c.attempt).where(table.c.judged).order_by(table.c.id)
+        ).all()
+        findings = queries.list_findings(connection, run_id)
+    assert [(i == old, a) for i, a in order][8:10] == [(True, 9), (True, 10)]
+    assert [f["step"] for f in findings if f["kind"] == "schedule_restarted"] == [9]
