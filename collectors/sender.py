@@ -179,7 +179,15 @@ class Sender:
     # Delivery.
 
     def _move_queue(self) -> None:
-        while batch := self._take():
+        # Only what was queued when the cycle began: while the trainer refills the queue, a slow
+        # service would otherwise keep this thread here, and heartbeats and directive polls
+        # (the rest of the cycle) would wait for the training to end.
+        left = len(self._queue)
+        while left > 0:
+            batch, taken = self._take(left)
+            left -= taken
+            if not batch:
+                continue
             if self._spool.backlog() or self._down():
                 self._spool.append(batch)  # behind the backlog: nothing overtakes the spool
                 continue
@@ -225,14 +233,18 @@ class Sender:
         self._log_once(f"rejected-{delivery.status}", f"batch dead-lettered: {delivery.reason}")
         return []
 
-    def _take(self) -> list[Record]:
+    def _take(self, limit: int) -> tuple[list[Record], int]:
+        """Up to ``limit`` queued items as one batch, and how many items were taken (a record
+        that fails to render is taken but not sent)."""
         batch: list[Record] = []
-        while self._queue and len(batch) < self._config.batch_records:
+        taken = 0
+        while self._queue and taken < limit and len(batch) < self._config.batch_records:
             item = self._queue.popleft()
+            taken += 1
             record = self._render(item) if isinstance(item, Draft) else item
             if record is not None:
                 batch.append(record)
-        return batch
+        return batch, taken
 
     def _render(self, draft: Draft) -> Record | None:
         try:

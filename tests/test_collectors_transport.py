@@ -224,6 +224,50 @@ def test_a_slow_or_unreachable_service_means_retry() -> None:
     refused.close()
 
 
+class SlowTransport:
+    """Delivers every batch after ``delay_s``: a service answering slowly but surely."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.delivered = 0
+
+    def post(self, records: Any) -> Delivery:
+        time.sleep(self.delay_s)
+        self.delivered += len(records)
+        return Delivery(Outcome.DELIVERED, 200)
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_slow_service_does_not_starve_polls_while_the_trainer_keeps_submitting(tmp_path: Path) -> None:
+    """Each cycle sends what was queued when it began: a trainer that refills the queue faster
+    than the service answers must not hold the sender in one cycle, or directive polls (and
+    heartbeats) wait for the training to end."""
+    counters = Counters()
+    transport = SlowTransport(delay_s=0.03)
+    polls: list[float] = []
+    sender = Sender(
+        SenderConfig(flush_interval_s=0.02, close_timeout_s=5.0),
+        transport,
+        Spool(SpoolConfig(directory=str(tmp_path / "spool")), "r", "n.rank0.a", counters),
+        counters,
+        poll=lambda: polls.append(time.monotonic()),
+    )
+    sender.start()
+    started = time.monotonic()
+    submitted = 0
+    while time.monotonic() - started < 1.0:
+        sender.submit(step(submitted))
+        submitted += 1
+        time.sleep(0.002)
+    during = len(polls)
+    sender.close()
+    assert during >= 10, f"{during} polls in 1 s of training with a 30 ms service"
+    assert transport.delivered == submitted  # and nothing was lost or spooled for it
+    assert not sender.spool_path.exists() or sender.spool_path.stat().st_size == 0
+
+
 @pytest.mark.slow
 def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(tmp_path: Path) -> None:
     require_module("torch")
