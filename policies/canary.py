@@ -204,6 +204,12 @@ def _missed(
     return missed
 
 
+def where(result: CanaryResult) -> str:
+    """The device and node as an operator reads them; a CPU rank has no device UUID."""
+    node = result.node or "unknown node"
+    return f"device {result.device} on {node}" if result.device else node
+
+
 def _finding(result: CanaryResult, missed: list[str], persistent: bool, tolerance: int | None) -> Finding:
     how = (
         "persistent (the immediate re-run on the same device missed again)"
@@ -219,7 +225,7 @@ def _finding(result: CanaryResult, missed: list[str], persistent: bool, toleranc
         value=float(len(missed)),
         threshold=0.0,
         message=(
-            f"canary on rank {result.rank} ({result.device or '?'} on {result.node or '?'}) does not match its "
+            f"canary on rank {result.rank} ({where(result)}) does not match its "
             f"stack's reference ({basis}) in {', '.join(missed)}: {how}"
         ),
         incarnation=result.incarnation,

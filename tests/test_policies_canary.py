@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -53,6 +54,10 @@ def test_persistent_and_transient_mismatches_against_golden() -> None:
     (finding,) = persistent.findings
     assert (finding.severity, finding.rank, finding.device) == (Severity.CRITICAL, 1, "GPU-1")
     assert finding.evidence["kernels"] == ["gemm_fp32"] and finding.evidence["persistent"] is True
+    assert "rank 1 (device GPU-1 on n1)" in finding.message
+    cpu_rank = dataclasses.replace(result(1, BAD, rerun=BAD), device=None)
+    (finding,) = compare_round([result(0), cpu_rank], golden, CONFIG).findings
+    assert "rank 1 (n1)" in finding.message  # a CPU rank has no device to name
     transient = compare_round([result(0), result(1, BAD, rerun=GOOD)], golden, CONFIG)
     (finding,) = transient.findings
     assert finding.severity is Severity.WARNING and "transient" in finding.message
