@@ -99,14 +99,63 @@ def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
     return converted
 
 
+# Names other tools log these fields under (Megatron, transformers, W&B exports), read as the
+# field when the file has no column of the field's own name and exactly one of these. Cumulative
+# counters (W&B's train/num_tokens, Megatron's skipped-iterations count) are not the per-step
+# field and are left out.
+COMMON_NAMES: dict[str, tuple[str, ...]] = {
+    "step": ("iteration", "iter", "global_step", "_step", "train/global_step", "trainer/global_step"),
+    "loss": (
+        "train/loss",
+        "train_loss",
+        "lm loss",
+        "lm_loss",
+        "train/lm_loss",
+        "loss/train",
+        "training_loss",
+    ),
+    "grad_norm": (
+        "grad norm",
+        "grad-norm",
+        "gradnorm",
+        "train/grad_norm",
+        "gradient_norm",
+        "total_grad_norm",
+    ),
+    "lr": ("learning_rate", "learning rate", "learning-rate", "train/learning_rate", "train/lr"),
+    "loss_scale": ("loss scale", "loss-scale", "train/loss_scale", "grad_scale", "scaler/scale"),
+}
+
+
+def recognized_names(columns: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Renames for fields logged under another tool's name (or another case), and a note
+    for each."""
+    present = {name.strip().lower(): name for name in columns}
+    renames, notes = {}, []
+    for field_name, names in COMMON_NAMES.items():
+        if field_name in columns:
+            continue
+        found = [present[name] for name in (field_name, *names) if name in present]  # "Loss" too
+        if len(found) == 1:
+            renames[found[0]] = field_name
+            notes.append(f"read column {found[0]!r} as {field_name} (--column {found[0]}=FIELD to choose)")
+        elif found:
+            notes.append(f"several columns could be {field_name} ({', '.join(found)}): map one with --column")
+    return renames, notes
+
+
 def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataFrame, list[str]]:
     frame = frame.rename({src: dst for src, dst in mapping.items() if src in frame.columns})
     missing_sources = [
         src for src in mapping if src not in frame.columns and mapping[src] not in frame.columns
     ]
     notes = [f"--column {src}: no such column" for src in missing_sources]
+    renames, recognized = recognized_names([c for c in frame.columns if c not in mapping])
+    frame = frame.rename(renames)
+    notes += recognized
     if "step" not in frame.columns:
-        raise BacktestError("the file has no 'step' column (map one with --column SRC=step)")
+        hints = "".join(f"; {note}" for note in notes if note.startswith("several columns could be step"))
+        raise BacktestError(f"the file has no 'step' column (map one with --column SRC=step){hints}")
     ignored = [name for name in frame.columns if name not in FIELDS]
     if ignored:
         notes.append("ignored columns: " + ", ".join(ignored))
@@ -128,7 +177,8 @@ def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataF
         row = int(table["step"].is_null().arg_true()[0])
         raise BacktestError(f"column 'step', row {row + 1}: every row needs a step")
     if not any(name in table.columns for name in SIGNALS):
-        raise BacktestError(f"the file has none of the signals {', '.join(SIGNALS)}")
+        hints = "".join(f"; {note}" for note in notes if note.startswith("several columns"))
+        raise BacktestError(f"the file has none of the signals {', '.join(SIGNALS)}{hints}")
     return table, notes
 
 

@@ -89,6 +89,32 @@ def test_column_mapping_and_restarts_with_repeated_steps(tmp_path: Path) -> None
     assert report["notes"] == ["ignored columns: extra"]
 
 
+def test_fields_under_other_tools_names_are_recognized_and_said(tmp_path: Path) -> None:
+    path = tmp_path / "megatron-style.csv"
+    lines = ["iteration,lm loss,Grad Norm,learning_rate,train/num_tokens"]
+    lines += [f"{s},{3.0 + 0.01 * (s % 3)},{0.5 + 0.01 * (s % 2)},1e-4,{s * 4096}" for s in range(1, 120)]
+    lines += ["120,9.0,0.5,1e-4,491520"]
+    path.write_text("\n".join(lines) + "\n")
+    report = run_file(path, {})
+    assert report["steps"] == 120
+    assert [(i["first_step"], i["kind"]) for i in report["incidents"]] == [(120, "spike")]
+    assert "read column 'iteration' as step (--column iteration=FIELD to choose)" in report["notes"]
+    assert "read column 'Grad Norm' as grad_norm (--column Grad Norm=FIELD to choose)" in report["notes"]
+    assert "ignored columns: train/num_tokens" in report["notes"]  # cumulative, not per step
+
+
+def test_an_ambiguous_name_is_left_to_the_user(tmp_path: Path) -> None:
+    path = tmp_path / "two-losses.csv"
+    path.write_text("step,train_loss,lm loss\n" + "".join(f"{s},2.0,2.1\n" for s in range(1, 10)))
+    with pytest.raises(
+        BacktestError, match=r"none of the signals.*several columns could be loss \(train_loss, lm loss\)"
+    ):
+        run_file(path, {})
+    path.write_text("step,train_loss,lm loss\n" + "".join(f"{s},2.0,2.1\n" for s in range(1, 10)))
+    report = run_file(path, parse_mapping(["train_loss=loss"]))
+    assert report["steps"] == 9 and report["notes"] == ["ignored columns: lm loss"]
+
+
 def test_ranks_are_folded_token_weighted(tmp_path: Path) -> None:
     rows = []
     for step in range(1, 71):
