@@ -263,7 +263,7 @@ def test_a_slow_service_does_not_starve_polls_while_the_trainer_keeps_submitting
         time.sleep(0.002)
     during = len(polls)
     sender.close()
-    assert during >= 10, f"{during} polls in 1 s of training with a 30 ms service"
+    assert during >= 6, f"{during} polls in 1 s of training with a 30 ms service"
     assert transport.delivered == submitted  # and nothing was lost or spooled for it
     assert not sender.spool_path.exists() or sender.spool_path.stat().st_size == 0
 
