@@ -276,27 +276,9 @@ class Decisions:
     def approve(self, proposal_id: int, operator: str, reason: str | None) -> Outcome:
         now = self._clock()
         with self._lock, self._engine.begin() as connection:
-            won = (
-                connection.execute(
-                    PROPOSAL.update()
-                    .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status == "pending")
-                    .values(status="approved", decided_by=operator, decided_at=now, decision_reason=reason)
-                ).rowcount
-                == 1
-            )
-            if not won:
+            row = self._decide(connection, proposal_id, ("pending",), "approved", operator, reason, now)
+            if row is None:
                 return self._lost(connection, proposal_id, "approve")
-            row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
-            audit.append(
-                connection,
-                actor=operator,
-                action="approved",
-                subject=f"proposal:{proposal_id}",
-                now=now,
-                run_id=row["run_id"],
-                incident_id=row["incident_id"],
-                reason=reason,
-            )
             if row["quarantine_node"] or row["quarantine_device"]:
                 self._quarantine(connection, row, operator, now)
             if row["action"] == "rollback":
@@ -308,30 +290,49 @@ class Decisions:
     def reject(self, proposal_id: int, operator: str, reason: str) -> Outcome:
         now = self._clock()
         with self._lock, self._engine.begin() as connection:
-            won = (
-                connection.execute(
-                    PROPOSAL.update()
-                    .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(("pending", "escalated")))
-                    .values(status="rejected", decided_by=operator, decided_at=now, decision_reason=reason)
-                ).rowcount
-                == 1
+            row = self._decide(
+                connection, proposal_id, ("pending", "escalated"), "rejected", operator, reason, now
             )
-            if not won:
+            if row is None:
                 return self._lost(connection, proposal_id, "reject")
-            row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
-            audit.append(
-                connection,
-                actor=operator,
-                action="rejected",
-                subject=f"proposal:{proposal_id}",
-                now=now,
-                run_id=row["run_id"],
-                incident_id=row["incident_id"],
-                reason=reason,
-            )
             return Outcome(
                 True, f"proposal {proposal_id} rejected by {operator}", view_of(connection, proposal_id)
             )
+
+    def _decide(
+        self,
+        connection: Connection,
+        proposal_id: int,
+        open_statuses: tuple[str, ...],
+        status: str,
+        operator: str,
+        reason: str | None,
+        now: float,
+    ) -> sa.RowMapping | None:
+        """Move the proposal from one of ``open_statuses`` to ``status`` and audit it; None when
+        another decision got there first (the conditional update is what makes one win)."""
+        won = (
+            connection.execute(
+                PROPOSAL.update()
+                .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(open_statuses))
+                .values(status=status, decided_by=operator, decided_at=now, decision_reason=reason)
+            ).rowcount
+            == 1
+        )
+        if not won:
+            return None
+        row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
+        audit.append(
+            connection,
+            actor=operator,
+            action=status,
+            subject=f"proposal:{proposal_id}",
+            now=now,
+            run_id=row["run_id"],
+            incident_id=row["incident_id"],
+            reason=reason,
+        )
+        return row
 
     def _lost(self, connection: Connection, proposal_id: int, verb: str) -> Outcome:
         row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,14 @@ from collectors.directives import DirectiveConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.transport import TransportConfig
-from tests.collectors_support import RecordingTransport, ServeProcess, step_rows, wait_until
+from tests.collectors_support import (
+    REPO,
+    RecordingTransport,
+    ServeProcess,
+    child_environ,
+    step_rows,
+    wait_until,
+)
 
 
 def hook_for(serve: ServeProcess, run: str, root: Path) -> RunHealth:
@@ -113,3 +122,22 @@ def wait_until_armed(transport: DirectingTransport) -> None:
     """Two polls answered: the first one's directive is armed (the sender thread arms it before
     it polls again)."""
     assert wait_until(lambda: transport.polls >= 2, 10)
+
+
+def import_message_without(framework: str, adapter: str) -> str:
+    """What importing ``adapter`` prints as its ImportError in a fresh interpreter where
+    ``framework`` cannot be imported (``import collectors`` itself must still work)."""
+    code = (
+        f"import sys; sys.modules[{framework!r}] = None\n"
+        "import collectors\n"
+        f"try:\n    import {adapter}\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_environ(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return result.stdout

@@ -3,12 +3,13 @@ fake markers, and reads of the SQLite store the service wrote."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,49 @@ def child_environ(**extra: str) -> dict[str, str]:
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
     environ.update(extra)
     return environ
+
+
+def launch_ranks(
+    root: Path,
+    world: int,
+    command: list[str],
+    per_rank: Callable[[int], dict[str, str]] = lambda _rank: {},
+    **environ: str,
+) -> list[subprocess.Popen[bytes]]:
+    """``world`` ranks of ``command`` as torchrun would start them on one node (gloo on
+    loopback, one thread each), with ``environ`` and ``per_rank(rank)`` added, logging to
+    ``root/rank-N.log`` and writing into ``root/results``."""
+    (root / "results").mkdir()
+    port = str(free_port())
+    ranks = []
+    for rank in range(world):
+        rank_environ = child_environ(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+            **environ, **per_rank(rank),
+        )  # fmt: skip
+        with open(root / f"rank-{rank}.log", "ab") as log:
+            ranks.append(subprocess.Popen(command, cwd=root, env=rank_environ, stdout=log, stderr=log))
+    return ranks
+
+
+def finish_ranks(
+    ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float, log_tail: int = 3000
+) -> list[dict[str, Any]]:
+    """Wait for every rank (killing those past the deadline), assert each exited 0 (showing
+    the logs' tails when not), and return each rank's ``results/rank-N.json``."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank in ranks:
+            rank.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    world = range(len(ranks))
+    logs = "\n".join((root / f"rank-{n}.log").read_text(errors="replace")[-log_tail:] for n in world)
+    assert all(rank.returncode == 0 for rank in ranks), logs
+    return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in world]
 
 
 class ServeProcess:

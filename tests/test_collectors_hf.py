@@ -6,8 +6,6 @@ rollback directive stopping the Trainer, with an in-process transport that hands
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -21,11 +19,12 @@ from tests.adapters_support import (
     assert_manifest_matches,
     directed_hook,
     hook_for,
+    import_message_without,
     stored,
     stored_steps,
     wait_until_armed,
 )
-from tests.collectors_support import REPO, ServeProcess, child_environ
+from tests.collectors_support import ServeProcess
 from tests.support import require_module
 
 require_module("torch")
@@ -283,17 +282,5 @@ def test_a_rollback_directive_stops_the_trainer_at_its_step(tmp_path: Path) -> N
 
 
 def test_importing_the_adapter_without_transformers_says_what_to_install() -> None:
-    code = (
-        "import sys; sys.modules['transformers'] = None\n"
-        "import collectors\n"
-        "try:\n    import collectors.hf\nexcept ImportError as exc:\n    print(exc)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_environ(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "pip install 'runhealth[hf]'" in result.stdout  # and ``import collectors`` needed none
+    message = import_message_without("transformers", "collectors.hf")
+    assert "pip install 'runhealth[hf]'" in message  # and ``import collectors`` needed none

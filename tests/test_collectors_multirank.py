@@ -3,7 +3,6 @@ through a service killed and restarted mid-run, and through the embedded service
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -12,8 +11,15 @@ from typing import Any
 
 import pytest
 
-from tests.collectors_support import ServeProcess, child_environ, step_rows, table_rows, wait_until
-from tests.support import free_port, require_module
+from tests.collectors_support import (
+    ServeProcess,
+    finish_ranks,
+    launch_ranks,
+    step_rows,
+    table_rows,
+    wait_until,
+)
+from tests.support import require_module
 
 WORLD = 4
 WINDOWS = 40
@@ -24,39 +30,17 @@ require_module("torch")
 
 def launch(root: Path, step_sleep: float, **runhealth: str) -> list[subprocess.Popen[bytes]]:
     """Four ranks, as torchrun would start them on one node."""
-    out = root / "results"
-    out.mkdir()
-    port = str(free_port())
-    ranks = []
-    for rank in range(WORLD):
-        environ = child_environ(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-            RUNHEALTH_SPOOL_DIR=str(root / "spool"), **runhealth,
-        )  # fmt: skip
-        command = [
-            sys.executable, "-m", "tests.collectors_worker", "--windows", str(WINDOWS),
-            "--skip-at", str(SKIP_AT), "--step-sleep", str(step_sleep), "--out", str(out),
-        ]  # fmt: skip
-        with open(root / f"rank-{rank}.log", "ab") as log:
-            ranks.append(subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=log))
-    return ranks
+    command = [
+        sys.executable, "-m", "tests.collectors_worker", "--windows", str(WINDOWS),
+        "--skip-at", str(SKIP_AT), "--step-sleep", str(step_sleep), "--out", str(root / "results"),
+    ]  # fmt: skip
+    return launch_ranks(root, WORLD, command, RUNHEALTH_SPOOL_DIR=str(root / "spool"), **runhealth)
 
 
 def wait_for(
     ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 120.0
 ) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank in ranks:
-            rank.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-    logs = "\n".join((root / f"rank-{n}.log").read_text(errors="replace")[-2000:] for n in range(WORLD))
-    assert all(rank.returncode == 0 for rank in ranks), logs
-    return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in range(WORLD)]
+    return finish_ranks(ranks, root, timeout_s, log_tail=2000)
 
 
 def assert_every_window_once(db: Path, run: str, results: list[dict[str, Any]], root: Path) -> None:

@@ -23,8 +23,15 @@ from monitor import audit, queries
 from monitor.db import create_store_engine, resolve_url
 from monitor.decisions import list_proposals
 from monitor.operators import add_operator
-from tests.collectors_support import ServeProcess, child_environ, table_rows, wait_until
-from tests.support import free_port, require_module
+from tests.collectors_support import (
+    ServeProcess,
+    child_environ,
+    finish_ranks,
+    launch_ranks,
+    table_rows,
+    wait_until,
+)
+from tests.support import require_module
 
 WORLD = 4
 require_module("torch")
@@ -34,56 +41,22 @@ pytestmark = pytest.mark.slow
 def launch(
     root: Path, serve: ServeProcess, run: str, token: str, *extra: str
 ) -> list[subprocess.Popen[bytes]]:
-    (root / "results").mkdir()
-    port = str(free_port())
-    ranks = []
-    for rank in range(WORLD):
-        environ = child_environ(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-            RUNHEALTH_URL=serve.url,
-            RUNHEALTH_TOKEN=token,
-            RUNHEALTH_RUN=run,
-            RUNHEALTH_NODE=f"node-{rank}",
-            RUNHEALTH_SPOOL_DIR=str(root / "spool"),
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "monitor.demo.worker",
-            "--task",
-            "sequence",
-            "--step-sleep",
-            "0.02",
-            "--checkpoints",
-            str(root / "ckpt"),
-            "--out",
-            str(root / "results"),
-            *extra,
-        ]
-        with open(root / f"rank-{rank}.log", "ab") as log:
-            ranks.append(subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=log))
-    return ranks
+    command = [
+        sys.executable, "-m", "monitor.demo.worker", "--task", "sequence", "--step-sleep", "0.02",
+        "--checkpoints", str(root / "ckpt"), "--out", str(root / "results"), *extra,
+    ]  # fmt: skip
+    # Each rank its own node: a quarantine names one rank's node, not all four.
+    return launch_ranks(
+        root, WORLD, command, lambda rank: {"RUNHEALTH_NODE": f"node-{rank}"},
+        RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token, RUNHEALTH_RUN=run,
+        RUNHEALTH_SPOOL_DIR=str(root / "spool"),
+    )  # fmt: skip
 
 
 def finish(
     ranks: list[subprocess.Popen[bytes]], root: Path, timeout_s: float = 240.0
 ) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank in ranks:
-            rank.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-    logs = "\n".join((root / f"rank-{n}.log").read_text(errors="replace")[-3000:] for n in range(WORLD))
-    assert all(rank.returncode == 0 for rank in ranks), logs
-    return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in range(WORLD)]
+    return finish_ranks(ranks, root, timeout_s)
 
 
 class Scenario:
