@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig
+from monitor.demo.worker import run_rank
 
 VOCAB = 64
 
@@ -93,17 +90,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format=f"rank {os.environ.get('RANK')}: %(message)s")
-    args = arguments()
-    environ = dict(os.environ)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    try:
-        result = train(rank, args, environ)
-    finally:
-        dist.destroy_process_group()
-    (args.out / f"rank-{rank}.json").write_text(json.dumps(result))
+    run_rank(train, arguments())
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ PostgreSQL 15 server the session starts and stops itself."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
+import json
 import os
 import pwd
 import shutil
@@ -26,6 +28,8 @@ from sqlalchemy.engine import URL, Engine
 from monitor import cli, queries
 from monitor.directives import create_directive
 from monitor.models import Base
+from monitor.schemas import BatchIn
+from monitor.service import Service
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
 POSTGRES_USER = "postgres"
@@ -391,3 +395,56 @@ def run_cli(argv: list[str]) -> int:
     except SystemExit as exited:
         return exited.code if isinstance(exited.code, int) else 1
     return 0
+
+
+def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
+    """Records into a service in this process, through the same validation as the API."""
+    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
+
+
+def spiky_windows(
+    attempts: range, ranks: int = 2, spike: int | None = None, incarnation: str = INCARNATION
+) -> list[dict[str, Any]]:
+    """Step records of a steady run (loss about 2) whose every rank jumps to 9 at ``spike``."""
+    return [
+        {
+            "kind": "step",
+            "incarnation": incarnation,
+            "rank": r,
+            "attempt": a,
+            "step": a,
+            "time": 100.0 + a,
+            "tokens": 10,
+            "loss_sum": 10 * (9.0 if a == spike else 2.0 + 0.01 * ((a * 7 + r) % 5)),
+            "lr": 1e-3,
+            "consumed": 8 * a,
+            "sample_ids": [f"b{a}-{r}"],
+        }
+        for a in attempts
+        for r in range(ranks)
+    ]
+
+
+def checkpoint(tmp_path: Path, step: int, tamper: bool = False) -> dict[str, Any]:
+    """A checkpoint event of ``spiky_windows``' run, its one file written under ``tmp_path``
+    (``tamper``: changed after its manifest was taken)."""
+    folder = tmp_path / f"ckpt-{step}"
+    folder.mkdir()
+    payload = f"weights at {step}".encode()
+    (folder / "model.pt").write_bytes(payload)
+    manifest = {
+        "step": step,
+        "consumed": 8 * step,
+        "files": [{"path": "model.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}],
+    }
+    if tamper:
+        (folder / "model.pt").write_bytes(payload.upper())
+    return {
+        "kind": "checkpoint",
+        "incarnation": INCARNATION,
+        "step": step,
+        "path": str(folder),
+        "time": 100.0 + step,
+        "consumed": 8 * step,
+        "manifest": manifest,
+    }

@@ -1,6 +1,5 @@
 """Canary rounds in the service, from real suite runs on the CPU."""
 
-import json
 import random
 from typing import Any
 
@@ -13,16 +12,11 @@ from collectors.canary import CanaryConfig, Faults, run_canary, run_suite
 from monitor import models, queries
 from monitor.config import ServiceConfig
 from monitor.decisions import list_proposals
-from monitor.schemas import BatchIn
 from monitor.service import Service
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post
 
 CPU = torch.device("cpu")
 SMALL = CanaryConfig(cpu_gemm=64, cpu_reduction=1 << 14, cpu_softmax=(4, 1024), cpu_elementwise=1 << 12)
-
-
-def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
-    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
 
 
 def corrupting(rng: random.Random) -> Faults:

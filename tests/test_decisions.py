@@ -1,6 +1,5 @@
 """The decision workflow end to end on a real store and a real HTTP service."""
 
-import hashlib
 import json
 import sys
 import threading
@@ -18,63 +17,13 @@ from monitor.cli import main
 from monitor.config import ServiceConfig
 from monitor.decisions import DecisionConfig, list_proposals
 from monitor.operators import add_operator, revoke_operator
-from monitor.schemas import BatchIn
 from monitor.server import BackgroundServer
 from monitor.service import Service
 from policies.proposals import ProposalConfig
 from policies.retries import RetryConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, checkpoint, post, spiky_windows
 
 NEW_INCARNATION = "00000000-0000-4000-8000-0000000000bb"
-
-
-def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
-    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
-
-
-def windows(
-    attempts: range, ranks: int = 2, spike: int | None = None, incarnation: str = INCARNATION
-) -> list[dict[str, Any]]:
-    return [
-        {
-            "kind": "step",
-            "incarnation": incarnation,
-            "rank": r,
-            "attempt": a,
-            "step": a,
-            "time": 100.0 + a,
-            "tokens": 10,
-            "loss_sum": 10 * (9.0 if a == spike else 2.0 + 0.01 * ((a * 7 + r) % 5)),
-            "lr": 1e-3,
-            "consumed": 8 * a,
-            "sample_ids": [f"b{a}-{r}"],
-        }
-        for a in attempts
-        for r in range(ranks)
-    ]
-
-
-def checkpoint(tmp_path: Path, step: int, tamper: bool = False) -> dict[str, Any]:
-    folder = tmp_path / f"ckpt-{step}"
-    folder.mkdir()
-    payload = f"weights at {step}".encode()
-    (folder / "model.pt").write_bytes(payload)
-    manifest = {
-        "step": step,
-        "consumed": 8 * step,
-        "files": [{"path": "model.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}],
-    }
-    if tamper:
-        (folder / "model.pt").write_bytes(payload.upper())
-    return {
-        "kind": "checkpoint",
-        "incarnation": INCARNATION,
-        "step": step,
-        "path": str(folder),
-        "time": 100.0 + step,
-        "consumed": 8 * step,
-        "manifest": manifest,
-    }
 
 
 def spiked_run(service: Service, run: RunHandle, tmp_path: Path) -> dict[str, Any]:
@@ -83,9 +32,9 @@ def spiked_run(service: Service, run: RunHandle, tmp_path: Path) -> dict[str, An
     post(
         service,
         run,
-        [checkpoint(tmp_path, 20), checkpoint(tmp_path, 40, tamper=True), *windows(range(1, 65))],
+        [checkpoint(tmp_path, 20), checkpoint(tmp_path, 40, tamper=True), *spiky_windows(range(1, 65))],
     )
-    post(service, run, [*windows(range(65, 75), spike=65), checkpoint(tmp_path, 70)])
+    post(service, run, [*spiky_windows(range(65, 75), spike=65), checkpoint(tmp_path, 70)])
     with service.engine.connect() as connection:
         (proposal,) = list_proposals(connection, run.name)
     return proposal
@@ -309,7 +258,7 @@ def test_retries_are_bounded_per_incident(store: Engine, run: RunHandle, tmp_pat
     service.decisions.approve(proposal["id"], "alice", "first try")
     with store.begin() as connection:  # the rollback ran; the same fault comes back
         connection.execute(sa.update(models.Proposal).values(status="done"))
-    post(service, run, windows(range(75, 78), spike=76))
+    post(service, run, spiky_windows(range(75, 78), spike=76))
     with store.connect() as connection:
         newest = list_proposals(connection, run.name)[-1]
     assert (newest["action"], newest["status"]) == ("escalate", "escalated")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -22,10 +21,9 @@ from monitor.api import create_app
 from monitor.config import ConfigError, ServiceConfig
 from monitor.metrics import CanaryVerdict, MetricsConfig, RunHealthCollector, names
 from monitor.metrics.state import top_stragglers
-from monitor.schemas import BatchIn
 from monitor.service import Service
 from policies.stragglers import StragglerConfig, StragglerState, straggler_scores
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, make_run
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, make_run, post
 
 T0 = 1_700_000_000.0
 SKIPPED = (10, 20)  # windows whose update the AMP scaler skipped on every rank
@@ -37,11 +35,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
-    batch = BatchIn.model_validate_json(json.dumps({"records": records}))
-    service.ingest(run.name, run.id, batch.records)
 
 
 def step_of(attempt: int) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,6 @@ from monitor.config import ConfigError, ServiceConfig
 from monitor.decisions import list_proposals
 from monitor.directives import create_directive
 from monitor.engine import EngineConfig
-from monitor.schemas import BatchIn
 from monitor.service import Service
 from monitor.stages import incident_ref
 from monitor.tracing import (
@@ -36,7 +33,7 @@ from monitor.tracing import (
     derived_context,
 )
 from policies.hangs import HangConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, checkpoint, post, spiky_windows
 
 
 class Clock:
@@ -45,46 +42,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
-    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
-
-
-def windows(attempts: range, spike: int | None = None) -> list[dict[str, Any]]:
-    return [
-        {
-            "kind": "step",
-            "incarnation": INCARNATION,
-            "rank": r,
-            "attempt": a,
-            "step": a,
-            "time": 100.0 + a,
-            "tokens": 10,
-            "loss_sum": 10 * (9.0 if a == spike else 2.0 + 0.01 * ((a * 7 + r) % 5)),
-            "lr": 1e-3,
-            "consumed": 8 * a,
-            "sample_ids": [f"b{a}-{r}"],
-        }
-        for a in attempts
-        for r in range(2)
-    ]
-
-
-def checkpoint(tmp_path: Path, step: int) -> dict[str, Any]:
-    folder = tmp_path / f"ckpt-{step}"
-    folder.mkdir()
-    payload = f"weights at {step}".encode()
-    (folder / "model.pt").write_bytes(payload)
-    files = [{"path": "model.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}]
-    return {
-        "kind": "checkpoint",
-        "incarnation": INCARNATION,
-        "step": step,
-        "path": str(folder),
-        "time": 100.0 + step,
-        "manifest": {"step": step, "files": files},
-    }
 
 
 def ack(directive: int, rank: int, at: float) -> dict[str, Any]:
@@ -126,7 +83,7 @@ def linked_to(span: ReadableSpan, context: Any) -> bool:
 def test_an_ingest_batch_is_a_span_and_its_evaluation_a_child(
     traced: Service, run: RunHandle, exporter: InMemorySpanExporter
 ) -> None:
-    post(traced, run, windows(range(1, 4)))
+    post(traced, run, spiky_windows(range(1, 4)))
     (ingest,) = named(exporter, INGEST)
     (evaluate,) = named(exporter, EVALUATE)
     assert ingest.parent is None and ingest.context is not None
@@ -143,8 +100,8 @@ def test_every_stage_of_a_rollback_links_to_the_incident_and_none_is_held_open(
     traced: Service, run: RunHandle, exporter: InMemorySpanExporter, tmp_path: Path
 ) -> None:
     post(traced, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
-    post(traced, run, [checkpoint(tmp_path, 20), *windows(range(1, 65))])
-    post(traced, run, windows(range(65, 75), spike=65))
+    post(traced, run, [checkpoint(tmp_path, 20), *spiky_windows(range(1, 65))])
+    post(traced, run, spiky_windows(range(65, 75), spike=65))
     with traced.engine.connect() as connection:
         (proposal,) = list_proposals(connection, run.name)
         incident = incident_ref(connection, proposal["incident"])
@@ -219,7 +176,7 @@ def test_a_hang_its_stack_request_and_the_answer_are_linked(
 def test_a_directive_made_through_the_api_is_traced_by_the_next_check(
     traced: Service, run: RunHandle, exporter: InMemorySpanExporter
 ) -> None:
-    post(traced, run, windows(range(1, 3)))  # tracing starts following the store here
+    post(traced, run, spiky_windows(range(1, 3)))  # tracing starts following the store here
     with traced.engine.begin() as connection:
         created = create_directive(connection, run.id, "dump_stacks", created_by="admin", now=123.0)
     traced.check_hangs()

@@ -1,6 +1,5 @@
 """The engine's watchers on a real store: per-rank findings, hangs, devices and resumes."""
 
-import json
 from typing import Any
 
 import pytest
@@ -10,10 +9,9 @@ from monitor import queries
 from monitor.config import ServiceConfig
 from monitor.directives import pending_for
 from monitor.engine import EngineConfig
-from monitor.schemas import BatchIn
 from monitor.service import Service
 from policies.hangs import HangConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post
 
 OTHER = "00000000-0000-4000-8000-0000000000aa"
 
@@ -24,10 +22,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
-    service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)
 
 
 def windows(

@@ -215,9 +215,12 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
     }
 
 
-def main() -> None:
+def run_rank(
+    train: Callable[[int, argparse.Namespace, dict[str, str]], dict[str, Any]], args: argparse.Namespace
+) -> None:
+    """One rank of a gloo job started as torchrun would: ``train`` runs in the process group,
+    and what it returns lands in ``args.out/rank-N.json``."""
     logging.basicConfig(level=logging.WARNING, format=f"rank {os.environ.get('RANK')}: %(message)s")
-    args = arguments()
     environ = dict(os.environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -227,6 +230,10 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    run_rank(train, arguments())
 
 
 if __name__ == "__main__":
