@@ -71,21 +71,7 @@ def quarantine(
         request = "no quarantine action configured (RUNHEALTH_QUARANTINE_COMMAND or _WEBHOOK)"
     mode = "live" if config.live and (config.command or config.webhook) else "dry_run"
     status, result = ("dry_run", {"would_run": request}) if mode == "dry_run" else _carry_out(config, fields)
-    connection.execute(
-        ACTION.insert(),
-        {
-            "run_id": run_id,
-            "proposal_id": proposal_id,
-            "kind": "quarantine",
-            "target": target,
-            "mode": mode,
-            "request": request,
-            "status": status,
-            "result": result,
-            "time": now,
-        },
-    )
-    return {
+    action = {
         "kind": "quarantine",
         "target": target,
         "mode": mode,
@@ -93,6 +79,8 @@ def quarantine(
         "status": status,
         "result": result,
     }
+    connection.execute(ACTION.insert(), {**action, "run_id": run_id, "proposal_id": proposal_id, "time": now})
+    return action
 
 
 def _carry_out(config: ActionConfig, fields: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
