@@ -150,7 +150,7 @@ def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataF
         src for src in mapping if src not in frame.columns and mapping[src] not in frame.columns
     ]
     notes = [f"--column {src}: no such column" for src in missing_sources]
-    renames, recognized = recognized_names([c for c in frame.columns if c not in mapping])
+    renames, recognized = recognized_names(frame.columns)
     frame = frame.rename(renames)
     notes += recognized
     if "step" not in frame.columns:
