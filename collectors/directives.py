@@ -64,7 +64,7 @@ class Armory:
         self._lock = threading.Lock()
         self._armed: dict[int, Directive] = {}
         self._known: dict[int, Directive] = {}
-        self._local: list[Directive] = []
+        self.local: list[Directive] = []
         self._handled: set[int] = set()
 
     def update(
@@ -89,14 +89,14 @@ class Armory:
         with self._lock:
             self._armed = armed
             self._known.update(armed)
-            self._local = local
+            self.local = local
 
     def handled(self, directive_id: int) -> None:
         with self._lock:
             self._handled.add(directive_id)
             # Replaced, not changed in place: ``oldest_armed`` reads it without the lock.
             self._armed = {key: armed for key, armed in self._armed.items() if key != directive_id}
-            self._local = [d for d in self._local if d.id != directive_id]
+            self.local = [d for d in self.local if d.id != directive_id]
 
     def oldest_armed(self) -> int:
         # Without the lock (window boundaries run it): ``_armed`` is only ever replaced whole.
@@ -118,14 +118,14 @@ class Armory:
 
     def take_local(self) -> Directive | None:
         # Checked before taking the lock: called at every window boundary, and a lock taken
-        # right after a training step costs microseconds. ``_local`` is only ever replaced or
+        # right after a training step costs microseconds. ``local`` is only ever replaced or
         # popped whole, so the read is safe; one missed a moment ago is taken next boundary.
-        if not self._local:
+        if not self.local:
             return None
         with self._lock:
-            if not self._local:
+            if not self.local:
                 return None
-            directive = self._local.pop(0)
+            directive = self.local.pop(0)
             self._handled.add(directive.id)
             return directive
 

@@ -74,6 +74,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runhealth.collectors")
 
+# The phases the step-path entry points mark, as module constants: an enum member looked up on
+# its class costs a microsecond or two right after a training step.
+FORWARD, BACKWARD, OPTIMIZER, DATA = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA
+
 Batch = TypeVar("Batch")
 Reduction = Literal["mean", "sum"]
 
@@ -207,7 +211,8 @@ class RunHealth:
         device_type = self._device.type
         new_marker = marker_factory(device_type)
         self._ring = PinnedRing[PendingWindow](self.config.ring, device=self._device, new_marker=new_marker)
-        self._phases = PhaseClock(stamps_for(device_type), self.config.hook.max_phase_marks, self._clock)
+        stamps = stamps_for(device_type, self.identity.world_size)
+        self._phases = PhaseClock(stamps, self.config.hook.max_phase_marks, self._clock)
         self._render_context = RenderContext(
             self.identity.record_fields(self.incarnation),
             self._counting,
@@ -218,9 +223,12 @@ class RunHealth:
         self._agree_every = self.config.hook.agree_every
         # True until a window goes through the ring: while it is, and phases are stamped on the
         # host, a window with nothing on the device is complete at its end and goes straight
-        # to the sender, without the ring or its lock (every step of a CPU run). On a GPU its
-        # phase events still need the ring's marker.
+        # to the sender, without the ring or its lock. On a GPU its phase events still need the
+        # ring's marker.
         self._ring_idle = self._phases.host_timed
+        # A CPU rank: every value is on the host, so a window is handed to the sender as the
+        # trainer gave it, and settled there (``_hand_over``).
+        self._host_rank = device_type == "cpu"
 
     def _after_attach(self) -> None:
         self._sender.start()
@@ -354,31 +362,40 @@ class RunHealth:
         array; a CUDA tensor is ignored, since reading it would sync). ``examples``: this rank's
         example count when it is not the number of ids or label rows."""
         try:
-            self._open_window(sample_ids, examples, data_wait_s)
+            if self._window is not None or not self._active:
+                self._ready_for_window()
+                if not self._active:
+                    return
+            if self._attempt % self._agree_every == 0 or self._armory.local:
+                self._boundary()
+            now = time.perf_counter()
+            if data_wait_s is None and self._last_end is not None:
+                data_wait_s = now - self._last_end
+            self._attempt += 1
+            ids = list(sample_ids) if type(sample_ids) is list else self._sample_ids(sample_ids)
+            window = WindowValues(self._attempt, data_wait_s, ids, examples)
+            if self._scaler is not None:
+                window.loss_scale = loss_scale(self._scaler)
+            if self._optimizers:
+                # Also when the optimizer's pre-step hook reads the rate the update uses: a
+                # window whose update is skipped has only this one.
+                lr = self._optimizers[0].param_groups[0]["lr"]
+                window.lr = lr if type(lr) is float else learning_rate(self._optimizers[0])
+            self._window = window
+            phases = self._phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
+            phases.current = mark = (FORWARD, now, phases.stamp())
+            phases.marks.append(mark)
+            if self._resume is not None:
+                self._flush_resume()
         except Exception:
             self.faults.record("window_start")
 
-    def _open_window(self, sample_ids: Any, examples: int | None, data_wait_s: float | None) -> None:
+    def _ready_for_window(self) -> None:
+        """Attach on first use; close a window the trainer left open (no ``window_end``)."""
         if not self._active:
             self.start()
-            if not self._active:
-                return
-        if self._window is not None:  # the trainer skipped window_end: close the open one
+        elif self._window is not None:
             self.window_end()
-        self._boundary()
-        if data_wait_s is None and self._last_end is not None:
-            data_wait_s = time.perf_counter() - self._last_end
-        self._attempt += 1
-        ids = list(sample_ids) if type(sample_ids) is list else self._sample_ids(sample_ids)
-        window = WindowValues(self._attempt, data_wait_s, ids, examples)
-        if self._scaler is not None:
-            window.loss_scale = loss_scale(self._scaler)
-        if self._optimizers:
-            window.lr = learning_rate(self._optimizers[0])
-        self._window = window
-        self._phases.enter(Phase.FORWARD)
-        if self._resume is not None:
-            self._flush_resume()
 
     def loss(
         self,
@@ -404,10 +421,13 @@ class RunHealth:
             window.count += 1
             if window.count == 2 and not self._forward_hooked:
                 self._hook_forward()
-            window.microbatches.append((loss, labels, tokens))
-            if len(window.microbatches) >= FOLD_MICROBATCHES:
+            microbatches = window.microbatches
+            microbatches.append((loss, labels, tokens))
+            if len(microbatches) >= FOLD_MICROBATCHES:
                 self._settle(window)
-            self._phases.enter(Phase.BACKWARD)
+            phases = self._phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
+            phases.current = mark = (BACKWARD, time.perf_counter(), phases.stamp())
+            phases.marks.append(mark)
         except Exception:
             self.faults.record("loss")
 
@@ -418,7 +438,9 @@ class RunHealth:
             window = self._window
             if window is not None:
                 window.grad_norm = norm
-                self._phases.enter(Phase.OPTIMIZER)
+                phases = self._phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
+                phases.current = mark = (OPTIMIZER, time.perf_counter(), phases.stamp())
+                phases.marks.append(mark)
         except Exception:
             self.faults.record("grad_norm")
 
@@ -435,16 +457,24 @@ class RunHealth:
         ring is full (``PinnedRing.pop_oldest``)."""
         try:
             window = self._window
-            if window is not None and self._active:
-                self._close_window(window)
+            if window is None or not self._active:
+                return
+            self._window = None
+            self._last_end = end = time.perf_counter()
+            phases = self._phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
+            phases.current = mark = (DATA, end, phases.stamp())
+            phases.marks.append(mark)
+            if self._host_rank and self._totals is None and not window.verdicts:
+                self._hand_over(window, end)
+            else:
+                self._close_window(window, end)
         except Exception:
             self.faults.record("window_end")
 
-    def _close_window(self, window: WindowValues) -> None:
-        self._window = None
-        self._phases.enter(Phase.DATA)
-        self._last_end = time.perf_counter()
-        pending, tensors = self._finish(window)
+    def _close_window(self, window: WindowValues, end: float) -> None:
+        """An accelerator's window (or a folded one): settled here, its device values sent
+        through the ring."""
+        pending, tensors = self._finish(window, end)
         if not tensors and self._ring_idle:
             self._sender.submit(pending)  # complete already (see ``_ring_idle``)
             return
@@ -458,6 +488,33 @@ class RunHealth:
             ring.push(tensors, pending)
             self._emit(ready)
 
+    def _hand_over(self, window: WindowValues, end: float) -> None:
+        """A CPU rank's window, unfolded and with no device flag: the counters advance here;
+        counting labels and reading values wait for the sender's render. Right after a
+        training step every operation here costs microseconds (caches evicted), and the same
+        work costs a fraction of that in the sender's batch."""
+        updated = self._advance(window, label_rows(window.microbatches) if window.counts_rows() else 0)
+        microbatches = window.microbatches
+        for index, (loss, labels, tokens) in enumerate(microbatches):
+            if getattr(loss, "requires_grad", False):
+                # The loss's autograd graph is freed here, as without the hook: freeing it on
+                # the sender thread costs that thread several times more.
+                microbatches[index] = (loss.detach(), labels, tokens)
+        skipped = (not updated) if self._optimizers else None
+        pending = PendingWindow(
+            self._render_context,
+            window,
+            None,
+            window.microbatches,
+            self._step,
+            self._consumed,
+            skipped,
+            end,
+            (),
+            self._phases.take_window(),
+        )
+        self._sender.submit(pending)
+
     def _settle(self, window: WindowValues) -> None:
         """Microbatches taken as given become settled totals; a window of very many folds."""
         totals = self._totals
@@ -467,8 +524,9 @@ class RunHealth:
         window.microbatches = []
         if len(totals.host) + len(totals.device_losses) >= FOLD_MICROBATCHES:
             totals.fold(self._torch, window.sum_reduction, self._counting)
+        self._phases.bound()
 
-    def _finish(self, window: WindowValues) -> tuple[PendingWindow, list[torch.Tensor]]:
+    def _finish(self, window: WindowValues, end: float) -> tuple[PendingWindow, list[torch.Tensor]]:
         """Settle the window, advance the three counters, split host facts from device values."""
         totals, host, rows = self._settle_window(window)
         if window.grad_norm is not None:
@@ -488,7 +546,7 @@ class RunHealth:
             self._step,
             self._consumed,
             skipped,
-            self._clock(),
+            end,
             names,
             marks,
         )
@@ -564,8 +622,9 @@ class RunHealth:
         try:
             window = self._window
             if window is not None:
-                self._phases.enter(Phase.OPTIMIZER)
-                window.lr = learning_rate(optimizer)  # the rate this update uses
+                self._phases.enter(OPTIMIZER)
+                lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
+                window.lr = lr if type(lr) is float else learning_rate(optimizer)
         except Exception:
             self.faults.record("_before_optimizer_step")
 
@@ -863,6 +922,7 @@ class RunHealth:
         )
 
     def _on_sender_cycle(self) -> None:
+        self._phases.resync()
         self._drain_ready()
         now = time.monotonic()
         if now >= self._next_poll:

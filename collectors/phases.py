@@ -58,10 +58,12 @@ class WallStamps:
 
 
 class CpuStamps:
-    """CPU: the training thread's CPU time. On a GPU the device's own clock times its work; on
-    the CPU the thread's CPU time is that clock's analog: a rank the OS gives less of a shared
-    core is not a slow device, and time blocked in a collective (gloo waits, it does not spin)
-    is not compute. Data wait is wall time, measured apart (``RunHealth.windows``)."""
+    """CPU, several ranks: the training thread's CPU time. On a GPU the device's own clock times
+    its work; on the CPU the thread's CPU time is that clock's analog: a rank the OS gives less
+    of a shared core is not a slow device, and time blocked in a collective (gloo waits, it does
+    not spin) is not compute. Data wait is wall time, measured apart (``RunHealth.windows``).
+    Reading it is a system call, about 7 us right after a training step on the reference CPU
+    (0.4 us warm), four times a step: paid only where ranks are compared (``stamps_for``)."""
 
     stamp = staticmethod(time.thread_time)  # as in ``WallStamps``: no Python frame per stamp
 
@@ -91,8 +93,14 @@ class CudaStamps:
         self._pool.extend(stamps)  # from the sender thread: a single list operation, atomic
 
 
-def stamps_for(device_type: str) -> Stamps:
-    return CudaStamps() if device_type == "cuda" else CpuStamps()
+def stamps_for(device_type: str, world_size: int) -> Stamps:
+    """CUDA events on a GPU. On the CPU, the thread's CPU time when there are several ranks:
+    they share the host's cores and block in collectives, and the straggler rule compares
+    them. A single process has no peer to be compared with and nothing to block on: wall time,
+    which costs no system call."""
+    if device_type == "cuda":
+        return CudaStamps()
+    return CpuStamps() if world_size > 1 else WallStamps()
 
 
 # One phase change: (phase, perf_counter seconds, stamp). A plain tuple, made once per change
@@ -102,7 +110,9 @@ Mark = tuple[Phase, float, Any]
 
 
 class PhaseMarks(NamedTuple):
-    """A window's phase changes, in order; the last one only closes the one before it."""
+    """A window's phase changes, in order; the last one only closes the one before it. Taken
+    from the clock as a plain tuple of the same two fields (``PhaseClock.take_window``) and
+    made a ``PhaseMarks`` where it is read: on the training thread every call costs."""
 
     marks: Sequence[Mark]
     complete: bool  # False when the window had more changes than the clock keeps
@@ -112,6 +122,11 @@ class PhaseMarks(NamedTuple):
         if not self.complete or len(marks) < 2:
             return None
         spent = dict.fromkeys(TIMED, 0.0)
+        if isinstance(stamps, WallStamps | CpuStamps):  # host seconds: subtracted inline
+            for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
+                if phase in spent:
+                    spent[phase] += end - start
+            return spent
         for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
             if phase in spent:
                 spent[phase] += stamps.seconds(start, end)
@@ -127,51 +142,74 @@ class PhaseClock:
 
     def __init__(self, stamps: Stamps, max_marks: int, wall: Callable[[], float] = time.time) -> None:
         self.stamps = stamps
-        self.host_timed = isinstance(stamps, WallStamps | CpuStamps)  # stamps complete when taken
-        self._stamp = stamps.stamp  # bound once: ``enter`` runs several times a step
-        self._max_marks = max_marks
-        self._marks: list[Mark] = []
-        self._overflow = False
+        self.host_timed = not isinstance(stamps, CudaStamps)  # stamps complete when taken
+        self.stamp = stamps.stamp  # bound once: marks are taken several times a step
+        self.max_marks = max_marks
+        # The window's marks. The hook's step-path entry points inline ``enter`` (a method call
+        # costs there), without its checks: each marks a different phase, and each runs at
+        # most once per microbatch, so the list is bounded by ``bound`` at every fold of
+        # microbatches and by ``take_window``.
+        self.marks: list[Mark] = []
+        self.overflow = False
+        self._wall = wall
         now = time.perf_counter()
         self._epoch_offset = wall() - now
         # Replaced whole by the training thread (one reference assignment), read by the sender
         # thread: always a consistent (phase, since) pair.
-        self._current: Mark = (Phase.IDLE, now, None)
+        self.current: Mark = (Phase.IDLE, now, None)
 
     def enter(self, phase: Phase) -> None:
         # Called several times per step on the training thread: a handful of operations, one
         # tuple, no Python call besides this one.
-        if phase is self._current[0]:
+        if phase is self.current[0]:
             return
-        mark = (phase, time.perf_counter(), self._stamp())
-        self._current = mark
-        if len(self._marks) < self._max_marks:
-            self._marks.append(mark)
+        mark = (phase, time.perf_counter(), self.stamp())
+        self.current = mark
+        if len(self.marks) < self.max_marks:
+            self.marks.append(mark)
         else:
-            self._overflow = True
+            self.overflow = True
 
     @property
     def state(self) -> PhaseState:
         """The current phase and since when (heartbeats, on the sender thread)."""
-        phase, since, _ = self._current
+        phase, since, _ = self.current
         return PhaseState(phase, since)
 
     @property
     def since(self) -> float:
         """When the current phase began (``perf_counter`` seconds)."""
-        return self._current[1]
+        return self.current[1]
 
     def epoch(self, perf_seconds: float) -> float:
-        """A ``perf_counter`` reading as epoch seconds (what heartbeats carry)."""
+        """A ``perf_counter`` reading as epoch seconds (what heartbeats and records carry)."""
         return self._epoch_offset + perf_seconds
 
-    def take_window(self) -> PhaseMarks:
-        """The marks since the last call; whoever reads them releases them afterwards. The list
-        itself changes hands (no copy): this clock starts a new one."""
-        taken = PhaseMarks(self._marks, not self._overflow)
-        self._marks, self._overflow = [], False
+    def resync(self) -> None:
+        """Take the wall clock's offset again (the sender thread, each cycle): a wall clock
+        stepped during a long run moves the epoch times of what is read after it. Moves under
+        a millisecond are the two readings' jitter and are left alone, so a stuck rank's
+        ``phase_since`` stays the same number."""
+        offset = self._wall() - time.perf_counter()
+        if abs(offset - self._epoch_offset) > 1e-3:
+            self._epoch_offset = offset
+
+    def take_window(self) -> tuple[Sequence[Mark], bool]:
+        """The marks since the last call and whether they are complete (``PhaseMarks``'s
+        fields); whoever reads them releases them afterwards. The list itself changes hands
+        (no copy): this clock starts a new one."""
+        taken = self.marks, not self.overflow and len(self.marks) <= self.max_marks
+        self.marks, self.overflow = [], False
         return taken
 
-    def release(self, taken: PhaseMarks) -> None:
+    def bound(self) -> None:
+        """Past ``max_marks`` the window's timings are unknown: its extra marks are dropped."""
+        extra = self.marks[self.max_marks :]
+        if extra:
+            del self.marks[self.max_marks :]
+            self.overflow = True
+            self.release(extra)
+
+    def release(self, marks: Sequence[Mark]) -> None:
         if not self.host_timed:  # host stamps are plain numbers: nothing to give back
-            self.stamps.release([stamp for _, _, stamp in taken.marks])
+            self.stamps.release([stamp for _, _, stamp in marks])

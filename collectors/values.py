@@ -19,8 +19,13 @@ def on_device(value: Any) -> bool:
 
 
 def host_float(value: Any) -> float:
-    """A host number or a CPU tensor's value (no device involved)."""
-    return float(value.item()) if hasattr(value, "item") else float(value)
+    """A host number or a CPU tensor's value (no device involved). A DTensor's local shard:
+    its ``item()`` could start a collective."""
+    if not hasattr(value, "item"):
+        return float(value)
+    if hasattr(value, "to_local"):
+        value = value.to_local()
+    return float(value.item())
 
 
 def learning_rate(optimizer: Any) -> Any:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from collectors.phases import Phase, PhaseMarks
+from collectors.phases import Mark, Phase, PhaseMarks
 from collectors.tokens import supervised_tokens
 from collectors.values import host_float, on_device
 from collectors.wire import Draft, Record, wire_float
@@ -256,7 +256,7 @@ class PendingWindow(Draft):
         skipped: bool | None,
         time: float,
         device_names: tuple[str, ...],
-        marks: PhaseMarks,
+        marks: tuple[Sequence[Mark], bool],
     ) -> None:
         self.context = context
         self.values = values
@@ -265,7 +265,7 @@ class PendingWindow(Draft):
         self.step = step
         self.consumed = consumed
         self.skipped = skipped
-        self.time = time
+        self.time = time  # when the window ended, ``perf_counter`` seconds
         self.device_names = device_names  # what each value in the ring slot is
         self.device_values: list[float] = []
         self.marks = marks
@@ -273,9 +273,9 @@ class PendingWindow(Draft):
     def render(self) -> Record:
         phases = self.context.phases
         try:
-            return self._record(self._values(), self.marks.durations(phases.stamps))
+            return self._record(self._values(), PhaseMarks(*self.marks).durations(phases.stamps))
         finally:
-            phases.release(self.marks)
+            phases.release(self.marks[0])
 
     def _values(self) -> dict[str, float | None]:
         window, totals = self.values, self.totals
@@ -312,7 +312,7 @@ class PendingWindow(Draft):
             **self.context.identity,
             "attempt": window.attempt,
             "step": step,
-            "time": self.time,
+            "time": self.context.phases.epoch(self.time),
             "microbatches": window.count,
         }
         tokens = values["tokens"]
@@ -330,10 +330,12 @@ class PendingWindow(Draft):
         )
         for name, value in optional:
             if value is not None:
-                record[name] = wire_float(value) if isinstance(value, float) else value
+                # ``x - x == 0`` holds for exactly the finite floats: most values pass here
+                # without a call (the sender renders every window of the run).
+                record[name] = value if type(value) is not float or value - value == 0 else wire_float(value)
         if spent:
             for phase, seconds in spent.items():
-                record[PHASE_FIELDS[phase]] = wire_float(seconds)
+                record[PHASE_FIELDS[phase]] = seconds if seconds - seconds == 0 else wire_float(seconds)
         return record
 
 
@@ -395,4 +397,6 @@ def render_ids(ids: Any, limit: int) -> list[int | str] | None:
     if ids is None:
         return None
     listed = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    return [item if isinstance(item, int | str) else str(item) for item in listed[:limit]]
+    return [
+        item if type(item) is int or isinstance(item, int | str) else str(item) for item in listed[:limit]
+    ]

@@ -27,7 +27,7 @@ from collectors import (
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
 from collectors.markers import WallMarker
-from collectors.phases import CpuStamps, Phase, PhaseClock, PhaseMarks, WallStamps, stamps_for
+from collectors.phases import CpuStamps, CudaStamps, Phase, PhaseClock, PhaseMarks, WallStamps, stamps_for
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -437,11 +437,19 @@ def test_host_buffers_are_pinned_only_for_cuda() -> None:
 
 
 def tensors_as_device_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Take CPU tensors for device tensors: in ``on_device``, and in the hook's all-on-the-host
-    fast path, which checks inline (it runs every step)."""
+    """Take CPU tensors for device tensors: in ``on_device``, in the hook's all-on-the-host
+    fast path, which checks inline (it runs every step). The hook must also not take itself for
+    a CPU rank (``as_device_rank``)."""
     monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
     monkeypatch.setattr("collectors.hook.settle_on_host", lambda microbatches: None)
     monkeypatch.setattr("collectors.window.WindowValues.scalars_on_host", lambda self: False)
+
+
+def as_device_rank(rh: RunHealth) -> RunHealth:
+    """A CPU rank hands its windows to the sender as they are; an accelerator's goes through
+    the ring."""
+    rh._host_rank = False
+    return rh
 
 
 def test_device_values_travel_through_the_ring(
@@ -458,6 +466,7 @@ def test_device_values_travel_through_the_ring(
         return markers[-1]
 
     with attach(tmp_path, transport, config=config) as rh:
+        as_device_rank(rh)
         rh._ring = PinnedRing(config.ring, device=torch.device("cpu"), new_marker=pending_marker)
         for attempt in range(1, 4):
             rh.window_start()
@@ -485,6 +494,7 @@ def test_a_device_loss_with_a_host_token_count(
     a host number; both arrive in one record."""
     tensors_as_device_tensors(monkeypatch)
     with attach(tmp_path, transport) as rh:
+        as_device_rank(rh)
         rh.window_start()
         rh.loss(torch.tensor(2.0), tokens=3)
         rh.loss(torch.tensor(4.0), labels=torch.tensor([[1, 2, -100]]))
@@ -514,7 +524,7 @@ def test_phase_timings_add_up_each_phase() -> None:
     clock = PhaseClock(stamps, max_marks=16)
     for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA):
         clock.enter(phase)
-    window = clock.take_window()
+    window = PhaseMarks(*clock.take_window())
     # forward 1-2 and 3-4, backward 2-3 and 4-10, optimizer 10-12
     assert window.durations(stamps) == {Phase.FORWARD: 2.0, Phase.BACKWARD: 7.0, Phase.OPTIMIZER: 2.0}
     assert clock.state.phase is Phase.DATA
@@ -525,13 +535,15 @@ def test_a_window_with_too_many_phase_changes_reports_unknown_timings() -> None:
     clock = PhaseClock(WallStamps(), max_marks=3)
     for phase in (Phase.FORWARD, Phase.BACKWARD) * 3:
         clock.enter(phase)
-    assert clock.take_window().durations(WallStamps()) is None
+    assert PhaseMarks(*clock.take_window()).durations(WallStamps()) is None
     assert PhaseMarks((), complete=True).durations(WallStamps()) is None
 
 
-def test_cpu_phases_count_the_threads_work_not_time_spent_blocked() -> None:
-    # On the CPU a rank that waits in a collective or for a shared core is not a slow device.
-    assert isinstance(stamps_for("cpu"), CpuStamps)
+def test_cpu_ranks_are_timed_by_their_threads_work_and_a_single_process_by_the_wall() -> None:
+    assert isinstance(stamps_for("cpu", world_size=1), WallStamps)  # no peer, no system call
+    assert isinstance(stamps_for("cuda", world_size=1), CudaStamps)
+    # With peers, a rank that waits in a collective or for a shared core is not a slow device.
+    assert isinstance(stamps_for("cpu", world_size=4), CpuStamps)
     stamps = CpuStamps()
     clock = PhaseClock(stamps, max_marks=8)
     clock.enter(Phase.FORWARD)
@@ -541,7 +553,7 @@ def test_cpu_phases_count_the_threads_work_not_time_spent_blocked() -> None:
     clock.enter(Phase.BACKWARD)
     time.sleep(0.1)
     clock.enter(Phase.DATA)
-    spent = clock.take_window().durations(stamps)
+    spent = PhaseMarks(*clock.take_window()).durations(stamps)
     assert spent is not None
     assert spent[Phase.FORWARD] >= 0.03
     assert spent[Phase.BACKWARD] < 0.02
@@ -656,3 +668,38 @@ def test_close_is_idempotent_and_records_an_open_window(
     assert wait_until(lambda: bool(transport.records("run_finish")), 1.0)
     assert transport.records("step")[0]["sample_ids"] == [7, 8]
     assert transport.records("run_finish")[0]["status"] == "stopped"
+
+
+def test_a_window_of_very_many_microbatches_is_folded_and_its_timings_are_unknown(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """Past 64 microbatches the hook folds them (memory stays bounded); past the clock's 128
+    phase changes the window's timings are unknown rather than guessed. Every loss counts."""
+    with attach(tmp_path, transport) as rh:
+        rh.window_start(sample_ids=[1])
+        for value in range(150):
+            rh.loss(torch.tensor(float(value)), tokens=2)
+        rh.window_end()
+        rh.window_start(sample_ids=[2])
+        rh.loss(torch.tensor(3.0), tokens=2)
+        rh.window_end()
+    folded, plain = transport.records("step")
+    assert folded["microbatches"] == 150 and folded["tokens"] == 300
+    assert folded["loss_sum"] == 2 * sum(range(150))
+    assert folded["reported_loss"] == pytest.approx(sum(range(150)) / 150)
+    assert "forward_s" not in folded and "backward_s" not in folded
+    assert plain["loss_sum"] == 6.0 and plain["forward_s"] >= 0 and plain["backward_s"] >= 0
+
+
+def test_record_times_follow_a_stepped_wall_clock() -> None:
+    """Records carry epoch times converted from the monotonic clock; the offset is taken again
+    each sender cycle, so a wall clock stepped mid-run (NTP) moves later times with it, while
+    sub-millisecond jitter leaves a stuck rank's ``phase_since`` the same number."""
+    wall = [1_000.0]
+    clock = PhaseClock(WallStamps(), max_marks=8, wall=lambda: wall[0] + time.perf_counter())
+    before = clock.epoch(100.0)
+    clock.resync()
+    assert clock.epoch(100.0) == before
+    wall[0] += 3_600.0
+    clock.resync()
+    assert clock.epoch(100.0) == pytest.approx(before + 3_600.0)
