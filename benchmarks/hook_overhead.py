@@ -1,18 +1,26 @@
 """What the hook costs a training step: the same small training with and without it, interleaved.
 
-One model trains in one process, its steps alternating between bare and hooked (bare, hooked,
-hooked, bare, ...: the order alternates so neither kind always runs second). One model, not two
-identical ones: two instances differ in memory placement, and that difference (up to 60 us a
-step here) would swamp what is measured. A hooked step records its window the way a plain loop
-attaches the hook (loss with labels, sample ids, grad norm, the optimizer watched) and sends to
-the embedded service (a child process, as in production the service is elsewhere: its CPU is
-not the trainer's). The optimizer's step hooks also run, as no-ops, in bare steps; that few
-microseconds is the one part of the hook's cost not counted.
+One model trains in one process, its steps taking turns between three kinds: bare, hooked, and
+with four calls that do nothing at the hook's four places (each kind takes each place in the
+order equally often). One model, not several identical ones: two instances differ in memory
+placement, and that difference (up to 60 us a step here) would swamp what is measured. A hooked
+step records its window the way a plain loop attaches the hook (loss with labels, sample ids,
+grad norm, the optimizer watched) and sends to the embedded service (a child process, as in
+production the service is elsewhere: its CPU is not the trainer's).
 
 Printed as JSON: the median step-time ratio (hooked / bare), and the hook's added process CPU
-per step. Process CPU (``time.process_time``) covers every thread of the trainer, so the sender
-thread's batching, encoding and HTTP count too; since the sender runs whenever it likes, its CPU
-spent during bare steps is measured from its own thread clock and moved to the hooked side.
+per step, measured two ways:
+
+- Whole step: each step's process CPU less the sender thread's share (its own thread clock);
+  hooked minus bare, step by step, averaged; plus all the sender thread's CPU over the hooked
+  steps. Counts everything, also what the hook's code costs the training around it (caches it
+  evicts), but a step's CPU varies by about a millisecond, so the standard error is 10-30 us.
+  The same for the no-op calls is this method's floor on the machine: the first Python after a
+  step's kernels runs on caches they evicted, whatever it does.
+- Direct: the training thread's CPU around the hook's four calls and around ``optimizer.step``
+  (where its optimizer hooks run), less the same clock readings around nothing in bare steps,
+  plus the sender thread's CPU. Precise to a microsecond or two, blind to effects on the code
+  around the hook.
 
     python benchmarks/hook_overhead.py [--steps 600] [--warmup 50]
 
@@ -73,11 +81,12 @@ class Timings:
     wall_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     sender_cpu_s: list[float] = field(default_factory=list)
+    optimizer_s: list[float] = field(default_factory=list)
+    hook_calls_s: list[float] = field(default_factory=list)  # thread CPU at the four call sites
 
     def clear(self) -> None:
-        self.wall_s.clear()
-        self.cpu_s.clear()
-        self.sender_cpu_s.clear()
+        for values in (self.wall_s, self.cpu_s, self.sender_cpu_s, self.optimizer_s, self.hook_calls_s):
+            values.clear()
 
 
 def build_training(config: BenchmarkConfig) -> Training:
@@ -104,27 +113,53 @@ def make_batches(config: BenchmarkConfig, count: int) -> list[dict[str, Any]]:
     ]
 
 
-def bare_step(side: Training, batch: dict[str, Any]) -> None:
+def bare_step(side: Training, batch: dict[str, Any], timings: Timings) -> None:
+    # The clock is read as in ``hooked_step``, at the same points, around nothing: the direct
+    # measure subtracts what the readings cost, and the whole-step difference does not see them.
+    clock = time.thread_time
     tokens = batch["tokens"]
+    started = clock()
+    calls = clock() - started
     logits = side.model(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    started = clock()
+    calls += clock() - started
     loss.backward()  # type: ignore[no-untyped-call]
-    torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
-    side.optimizer.step()
+    norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
+    started = clock()
+    calls += clock() - started
+    started = clock()
+    side.optimizer.step()  # the hook's optimizer hooks run here in both kinds of step
+    timings.optimizer_s.append(clock() - started)
     side.optimizer.zero_grad(set_to_none=True)
+    started = clock()
+    timings.hook_calls_s.append(calls + clock() - started)
+    del norm
 
 
-def hooked_step(side: Training, batch: dict[str, Any], rh: RunHealth) -> None:
+def hooked_step(side: Training, batch: dict[str, Any], rh: RunHealth, timings: Timings) -> None:
+    clock = time.thread_time  # around each hook call: the direct measure (``summarize``)
     tokens = batch["tokens"]
+    started = clock()
     rh.window_start(sample_ids=batch["ids"])
+    calls = clock() - started
     logits = side.model(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    started = clock()
     rh.loss(loss, labels=tokens)  # labels = inputs, shifted: the hook's default convention
+    calls += clock() - started
     loss.backward()  # type: ignore[no-untyped-call]
-    rh.grad_norm(torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0))
+    norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
+    started = clock()
+    rh.grad_norm(norm)
+    calls += clock() - started
+    started = clock()
     side.optimizer.step()
+    timings.optimizer_s.append(clock() - started)
     side.optimizer.zero_grad(set_to_none=True)
+    started = clock()
     rh.window_end()
+    timings.hook_calls_s.append(calls + clock() - started)
 
 
 def sender_clock() -> Any:
@@ -146,7 +181,7 @@ def measure(timings: Timings, step: Any, sender_cpu: Any) -> None:
 def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core: the hook's threads compete with the step for it
     training = build_training(config)
-    bare, hooked = Timings(), Timings()
+    bare, hooked, noop = Timings(), Timings(), Timings()
     batches = make_batches(config, 64)
     environ = {"RUNHEALTH_DB": str(workdir / "bench.db"), "RUNHEALTH_RUN": "hook-overhead",
                "RUNHEALTH_SPOOL_DIR": str(workdir / "spool"), **_child_environ()}  # fmt: skip
@@ -154,44 +189,90 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
         sender_cpu = sender_clock()
         for index in range(config.warmup + config.steps):
             batch = batches[index % len(batches)]
-            pair = [
-                (bare, lambda b=batch: bare_step(training, b)),
-                (hooked, lambda b=batch: hooked_step(training, b, rh)),
+            kinds = [
+                (bare, lambda b=batch: bare_step(training, b, bare)),
+                (hooked, lambda b=batch: hooked_step(training, b, rh, hooked)),
+                (noop, lambda b=batch: hooked_step(training, b, NOOP, noop)),  # type: ignore[arg-type]
             ]
-            for timings, step in pair if index % 2 == 0 else reversed(pair):
+            # Each kind takes each place in the order equally often.
+            order = kinds[index % 3 :] + kinds[: index % 3]
+            for timings, step in order if (index // 3) % 2 == 0 else reversed(order):
                 measure(timings, step, sender_cpu)
             if index == config.warmup - 1:
-                bare.clear()
-                hooked.clear()
+                for timings in (bare, hooked, noop):
+                    timings.clear()
         counters = rh.counters
-    return summarize(config, bare, hooked, counters)
+    return summarize(config, bare, hooked, noop, counters)
 
 
 def summarize(
-    config: BenchmarkConfig, bare: Timings, hooked: Timings, counters: dict[str, int]
+    config: BenchmarkConfig, bare: Timings, hooked: Timings, noop: Timings, counters: dict[str, int]
 ) -> dict[str, Any]:
-    # Per pair of steps: process CPU of the hooked step, minus the bare one, plus twice the
-    # sender CPU that fell into the bare step (counted there, but the hook's): the mean is the
-    # hook's added process CPU per step; its standard error says how far to trust it.
-    added = [
-        hooked_cpu - bare_cpu + 2 * bare_sender
-        for hooked_cpu, bare_cpu, bare_sender in zip(hooked.cpu_s, bare.cpu_s, bare.sender_cpu_s, strict=True)
-    ]
-    steps = len(added)
-    sender = (sum(bare.sender_cpu_s) + sum(hooked.sender_cpu_s)) / steps
+    # The whole-step measure. The sender runs whenever it likes, in steps of every kind: its
+    # CPU is taken out of each step (its own thread clock) and all of it, over the hooked
+    # steps, is the hook's. The rest of a step's process CPU is the training thread's; the
+    # mean of hooked minus bare, step by step, is what the hook adds there, and its standard
+    # error says how far to trust it.
+    steps = len(hooked.cpu_s)
+    sender = (sum(bare.sender_cpu_s) + sum(hooked.sender_cpu_s) + sum(noop.sender_cpu_s)) / steps
+    added = [h - b for h, b in zip(training_cpu(hooked), training_cpu(bare), strict=True)]
+    # Four calls that do nothing, at the same places: the floor of this method on this machine
+    # (the first Python after a training step's kernels runs on caches the step evicted).
+    floor = [n - b for n, b in zip(training_cpu(noop), training_cpu(bare), strict=True)]
+    # The direct measure: the hook's own code, timed where it runs. The training thread's CPU
+    # around its four calls and around ``optimizer.step`` (where its optimizer hooks run),
+    # minus the same readings in bare steps (what reading the clock costs there), and the
+    # sender thread's CPU. It leaves out what the hook's code costs the training around it
+    # (caches it evicts), which only the whole-step difference sees, within its error.
+    calls = statistics.fmean(hooked.hook_calls_s) - statistics.fmean(bare.hook_calls_s)
+    optimizer_hooks = statistics.fmean(hooked.optimizer_s) - statistics.fmean(bare.optimizer_s)
+    noop_calls = statistics.fmean(noop.hook_calls_s) - statistics.fmean(bare.hook_calls_s)
     return {
         "steps": steps,
         "bare_step_ms_median": 1e3 * statistics.median(bare.wall_s),
         "hooked_step_ms_median": 1e3 * statistics.median(hooked.wall_s),
         "step_time_ratio_median": statistics.median(hooked.wall_s) / statistics.median(bare.wall_s),
-        "added_process_cpu_us_per_step": 1e6 * statistics.fmean(added),
+        "added_process_cpu_us_per_step": 1e6 * (statistics.fmean(added) + sender),
         "added_process_cpu_us_stderr": 1e6 * statistics.stdev(added) / math.sqrt(steps),
         "of_which_sender_thread_us_per_step": 1e6 * sender,
+        "four_noop_calls_added_cpu_us_per_step": 1e6 * statistics.fmean(floor),
+        "four_noop_calls_added_cpu_us_stderr": 1e6 * statistics.stdev(floor) / math.sqrt(steps),
+        "direct": {
+            "hook_calls_us_per_step": 1e6 * calls,
+            "optimizer_hooks_us_per_step": 1e6 * optimizer_hooks,
+            "sender_thread_us_per_step": 1e6 * sender,
+            "total_us_per_step": 1e6 * (calls + optimizer_hooks + sender),
+            "four_noop_calls_us_per_step": 1e6 * noop_calls,
+        },
         "targets": {"step_time_ratio_median": 1.01, "added_process_cpu_us_per_step": 50.0},
         "records": {name: counters[name] for name in ("sent", "spooled", "dropped", "hook_errors")},
         "config": asdict(config),
         "torch": torch.__version__,
     }
+
+
+def training_cpu(timings: Timings) -> list[float]:
+    """Each step's process CPU less the sender thread's share of it."""
+    return [cpu - sender for cpu, sender in zip(timings.cpu_s, timings.sender_cpu_s, strict=True)]
+
+
+class NoopHook:
+    """The hook's four step-path methods, doing nothing."""
+
+    def window_start(self, *, sample_ids: Any = None) -> None:
+        pass
+
+    def loss(self, loss: Any, *, labels: Any = None) -> None:
+        pass
+
+    def grad_norm(self, norm: Any) -> None:
+        pass
+
+    def window_end(self) -> None:
+        pass
+
+
+NOOP = NoopHook()
 
 
 def _child_environ() -> dict[str, str]:

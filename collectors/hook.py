@@ -493,13 +493,19 @@ class RunHealth:
         counting labels and reading values wait for the sender's render. Right after a
         training step every operation here costs microseconds (caches evicted), and the same
         work costs a fraction of that in the sender's batch."""
-        updated = self._advance(window, label_rows(window.microbatches) if window.counts_rows() else 0)
+        updated = window.updates > 0
         microbatches = window.microbatches
+        examples = window.examples  # as ``WindowValues.local_examples``, without two calls
+        if examples is None:
+            ids = window.sample_ids
+            examples = len(ids) if ids is not None else label_rows(microbatches) or None
+        self._advance(updated, examples)
         for index, (loss, labels, tokens) in enumerate(microbatches):
-            if getattr(loss, "requires_grad", False):
-                # The loss's autograd graph is freed here, as without the hook: freeing it on
-                # the sender thread costs that thread several times more.
-                microbatches[index] = (loss.detach(), labels, tokens)
+            if getattr(loss, "is_cpu", False):
+                # Read now (host memory: no device involved). The tensor would hold its
+                # autograd graph until the render, and the graph freed on the sender thread
+                # costs that thread several times what it costs here.
+                microbatches[index] = (loss.item(), labels, tokens)
         skipped = (not updated) if self._optimizers else None
         pending = PendingWindow(
             self._render_context,
@@ -531,7 +537,8 @@ class RunHealth:
         totals, host, rows = self._settle_window(window)
         if window.grad_norm is not None:
             window.grad_norm = local_value(window.grad_norm, self._device)
-        updated = self._advance(window, rows)
+        updated = window.updates > 0 or bool(window.verdicts)
+        self._advance(updated, window.local_examples(rows))
         names: tuple[str, ...] = ()
         tensors: list[torch.Tensor] = []
         if totals is not None or not window.scalars_on_host():
@@ -565,18 +572,15 @@ class RunHealth:
         window.microbatches = []  # the window keeps no loss that still holds its graph
         return totals, host or [], rows
 
-    def _advance(self, window: WindowValues, rows: int) -> bool:
-        """Count the attempt's update and its examples; True when it updated (as far as the
-        host knows: a device verdict is counted as an update now, corrected when rendered)."""
-        updated = window.updates > 0 or bool(window.verdicts)
+    def _advance(self, updated: bool, examples: int | None) -> None:
+        """Count the attempt's update (as far as the host knows: a device verdict is counted as
+        an update now, corrected when rendered) and its examples."""
         if updated or not self._optimizers:
             self._step += 1
-        examples = window.local_examples(rows)
         if examples is None:
             self._consumed = None  # unknown from here on, rather than wrong
         elif self._consumed is not None:
             self._consumed += examples * self._dp_size
-        return updated
 
     def _emit(self, ready: list[tuple[PendingWindow, list[float]]]) -> None:
         """Hand completed windows to the sender (the caller holds the lock, so the order is
