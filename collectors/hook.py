@@ -55,7 +55,7 @@ from collectors.ring import PinnedRing
 from collectors.samplers import Sampler
 from collectors.sender import Sender, Transport
 from collectors.stacks import StackDump, dump_stacks
-from collectors.values import found_inf, learning_rate, local_value, loss_scale, on_device
+from collectors.values import learning_rate, local_value, loss_scale, on_device
 from collectors.window import (
     Counting,
     Microbatch,
@@ -377,8 +377,6 @@ class RunHealth:
             if self._scaler is not None:
                 window.loss_scale = loss_scale(self._scaler)
             if self._optimizers:
-                # Also when the optimizer's pre-step hook reads the rate the update uses: a
-                # window whose update is skipped has only this one.
                 lr = self._optimizers[0].param_groups[0]["lr"]
                 window.lr = lr if type(lr) is float else learning_rate(self._optimizers[0])
             self._window = window
@@ -622,13 +620,13 @@ class RunHealth:
         if self._window is not None:
             self._phases.enter(Phase.FORWARD)
 
-    def _before_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _before_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer phase begins, if ``grad_norm`` did not begin it. The learning rate was
+        read at the window's start: schedulers step after the update, so it is the one used."""
         try:
-            window = self._window
-            if window is not None:
-                self._phases.enter(OPTIMIZER)
-                lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
-                window.lr = lr if type(lr) is float else learning_rate(optimizer)
+            phases = self._phases
+            if self._window is not None and phases.current[0] is not OPTIMIZER:
+                phases.enter(OPTIMIZER)
         except Exception:
             self.faults.record("_before_optimizer_step")
 
@@ -641,7 +639,8 @@ class RunHealth:
             window = self._window
             if window is None:
                 return
-            flag = found_inf(optimizer)
+            # The GradScaler's flag, set on such an optimizer for the duration of its step.
+            flag = getattr(optimizer, "found_inf", None)
             if flag is None:  # the common case, kept inline (the step path)
                 window.updates += 1
             else:

@@ -62,9 +62,3 @@ def local_value(value: Any, device: torch.device) -> Any:
     if not value.is_cpu and value.device != device:
         value = value.to(device, non_blocking=True)
     return value.detach() if value.requires_grad else value
-
-
-def found_inf(optimizer: Any) -> Any:
-    """The GradScaler's found-inf flag, set on an optimizer that takes AMP scaling into its own
-    kernel (fused Adam, AdamW, SGD) for the duration of its step; None otherwise."""
-    return getattr(optimizer, "found_inf", None)
