@@ -416,18 +416,22 @@ class RunHealth:
                 self._note_once("loss", "loss() outside a window is ignored (call window_start)")
                 return
             window.sum_reduction = reduction == "sum"
-            window.count += 1
-            if window.count == 2 and not self._forward_hooked:
-                self._hook_forward()
-            microbatches = window.microbatches
-            microbatches.append((loss, labels, tokens))
-            if len(microbatches) >= FOLD_MICROBATCHES:
-                self._settle(window)
+            window.count = count = window.count + 1
+            window.microbatches.append((loss, labels, tokens))
+            if count > 1:
+                self._accumulating(window)
             phases = self._phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
             phases.current = mark = (BACKWARD, time.perf_counter(), phases.stamp())
             phases.marks.append(mark)
         except Exception:
             self.faults.record("loss")
+
+    def _accumulating(self, window: WindowValues) -> None:
+        """A window's second microbatch or later: mark forwards from now on, fold past 64."""
+        if not self._forward_hooked:
+            self._hook_forward()
+        if len(window.microbatches) >= FOLD_MICROBATCHES:
+            self._settle(window)
 
     def grad_norm(self, norm: Any) -> None:
         """The total gradient norm before clipping (what ``clip_grad_norm_`` returns). Under
@@ -491,31 +495,41 @@ class RunHealth:
         counting labels and reading values wait for the sender's render. Right after a
         training step every operation here costs microseconds (caches evicted), and the same
         work costs a fraction of that in the sender's batch."""
-        updated = window.updates > 0
+        # ``WindowValues.local_examples``, ``_advance`` and ``PhaseClock.take_window``, inlined.
         microbatches = window.microbatches
-        examples = window.examples  # as ``WindowValues.local_examples``, without two calls
+        examples = window.examples
         if examples is None:
             ids = window.sample_ids
             examples = len(ids) if ids is not None else label_rows(microbatches) or None
-        self._advance(updated, examples)
+        updated = window.updates > 0
+        if updated or not self._optimizers:
+            self._step += 1
+        if examples is None:
+            self._consumed = None
+        elif self._consumed is not None:
+            self._consumed += examples * self._dp_size
         for index, (loss, labels, tokens) in enumerate(microbatches):
             if getattr(loss, "is_cpu", False):
                 # Read now (host memory: no device involved). The tensor would hold its
                 # autograd graph until the render, and the graph freed on the sender thread
                 # costs that thread several times what it costs here.
                 microbatches[index] = (loss.item(), labels, tokens)
-        skipped = (not updated) if self._optimizers else None
+        phases = self._phases
+        marks = phases.marks
+        phases.marks = []
+        complete = not phases.overflow and len(marks) <= phases.max_marks
+        phases.overflow = False
         pending = PendingWindow(
             self._render_context,
             window,
             None,
-            window.microbatches,
+            microbatches,
             self._step,
             self._consumed,
-            skipped,
+            (not updated) if self._optimizers else None,
             end,
             (),
-            self._phases.take_window(),
+            (marks, complete),
         )
         self._sender.submit(pending)
 
