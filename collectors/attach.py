@@ -105,6 +105,7 @@ def build_sender(
     transport: Transport | None,
     heartbeat: Callable[[], Record | None],
     poll: Callable[[], None],
+    directives: Callable[[list[dict[str, Any]]], None],
 ) -> Sender:
     """The sender over ``transport`` if one was given, else HTTP to the destination."""
     if transport is None and destination.url is None:
@@ -114,7 +115,15 @@ def build_sender(
             replace(config.transport, url=destination.url, token=destination.token, run=ids.run)
         )
     spool = Spool(config.spool, ids.run, spool_name(identity, ids.incarnation), counters)
-    return Sender(config.sender, transport, spool, counters, heartbeat=heartbeat, poll=poll)
+    return Sender(
+        config.sender,
+        transport,
+        spool,
+        counters,
+        heartbeat=heartbeat,
+        poll=poll,
+        directives=directives,
+    )
 
 
 def spool_name(identity: Identity, incarnation: str) -> str:

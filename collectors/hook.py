@@ -153,6 +153,7 @@ class RunHealth:
         self._stop: Directive | None = None
         self._boundary_attempt = -1
         self._next_poll = 0.0
+        self._answered_with_post = False
         self._canary_stack: dict[str, Any] | None = None
         self._canary_faults = canary_faults  # emulated faulty hardware, for tests and drills
         self.watch(model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler)
@@ -206,7 +207,9 @@ class RunHealth:
             transport=self._transport,
             heartbeat=self._heartbeat,
             poll=self._on_sender_cycle,
+            directives=self._on_posted_directives,
         )
+        self._ask_directives_with_posts()
         self._consensus = Consensus.create(torch)
         device_type = self._device.type
         new_marker = marker_factory(device_type)
@@ -939,12 +942,26 @@ class RunHealth:
         )
 
     def _on_sender_cycle(self) -> None:
+        """Each sender cycle, before its batches: windows whose values arrived join the queue,
+        and directives are asked for when due, unless the last cycle's batch brought them."""
         self._phases.resync()
         self._drain_ready()
+        answered, self._answered_with_post = self._answered_with_post, False
         now = time.monotonic()
-        if now >= self._next_poll:
+        if now >= self._next_poll and not answered:
             self._next_poll = now + self.config.directives.poll_interval_s
             self._poll_directives()
+
+    def _ask_directives_with_posts(self) -> None:
+        ask = getattr(self._sender.transport, "ask_directives_with_posts", None)
+        if ask is not None:
+            ask(self.incarnation, self.identity.rank)
+
+    def _on_posted_directives(self, items: list[dict[str, Any]]) -> None:
+        """A batch's answer carried this rank's pending directives: as good as a poll, and the
+        next cycle's own poll is spared (the sender thread sets and reads the flag)."""
+        self._answered_with_post = True
+        self._apply_directives(items)
 
     @guarded
     def _poll_directives(self) -> None:
@@ -952,7 +969,12 @@ class RunHealth:
         if fetch is None or not self._active:
             return
         items = fetch(self.incarnation, self.identity.rank)
-        if items is None:
+        if items is not None:
+            self._apply_directives(items)
+
+    @guarded
+    def _apply_directives(self, items: list[dict[str, Any]]) -> None:
+        if not self._active:
             return
         pending = [Directive.from_wire(item) for item in items]
         for directive in pending:
@@ -982,6 +1004,7 @@ class RunHealth:
         with self._lock:
             self._emit(self._ring.drain())
         self.incarnation = str(self._collectives.broadcast(str(uuid.uuid4())))
+        self._ask_directives_with_posts()
         self._attempt = 0
         self._boundary_attempt = -1
         context = self._render_context

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from collectors.counters import Counters
 from collectors.spool import Spool
@@ -86,6 +86,7 @@ class Sender:
         *,
         heartbeat: Callable[[], Record | None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
+        directives: Callable[[list[dict[str, Any]]], None] = lambda items: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
@@ -94,6 +95,7 @@ class Sender:
         self._counters = counters
         self._heartbeat = heartbeat
         self._poll = poll
+        self._directives = directives
         self._clock = clock
         self._queue: deque[Record | Draft] = deque()
         # ``submit`` runs on the training thread every step: its limits read without a chain.
@@ -212,6 +214,8 @@ class Sender:
         if delivery.outcome is Outcome.DELIVERED:
             self._counters.add(counter, len(records))
             self._mark_up()
+            if delivery.directives is not None:
+                self._directives(delivery.directives)
             return []
         if delivery.outcome is Outcome.RETRY:
             self._mark_down(delivery.reason)

@@ -171,7 +171,12 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
             return json_response({"runs": queries.list_runs(connection)})
 
     @app.post("/v1/runs/{run}/records")
-    async def post_records(run: str, request: Request) -> Response:
+    async def post_records(
+        run: str, request: Request, incarnation: str | None = None, rank: int | None = None
+    ) -> Response:
+        """Ingest a batch. With ``incarnation`` and ``rank`` the answer also carries what that
+        rank has still to act on, as ``GET .../directives`` would (after this batch's acks):
+        a hook that sends every few seconds then needs no separate poll."""
         run_id = await run_in_threadpool(require_run, request, run)
         limits = service.config.ingest
         try:
@@ -188,7 +193,14 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         except ApiError:
             service.count(run, "rejected")
             raise
-        return json_response(result.as_json())
+        answer = result.as_json()
+        if incarnation is not None and rank is not None:
+            answer["directives"] = await run_in_threadpool(pending_directives, run_id, incarnation, rank)
+        return json_response(answer)
+
+    def pending_directives(run_id: int, incarnation: str, rank: int) -> list[dict[str, Any]]:
+        with service.engine.connect() as connection:
+            return directives.pending_for(connection, run_id, incarnation, rank)
 
     @app.get("/v1/runs/{run}/steps")
     def list_steps(
@@ -213,9 +225,7 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
     def list_directives(run: str, request: Request, incarnation: str, rank: int) -> Response:
         """What this rank of this incarnation has still to act on (the hooks poll this)."""
         run_id = require_run(request, run)
-        with service.engine.connect() as connection:
-            pending = directives.pending_for(connection, run_id, incarnation, rank)
-        return json_response({"run": run, "directives": pending})
+        return json_response({"run": run, "directives": pending_directives(run_id, incarnation, rank)})
 
     @app.post("/v1/runs/{run}/directives")
     async def create_directive(run: str, request: Request) -> Response:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,7 +31,9 @@ from collectors.phases import CpuStamps, CudaStamps, Phase, PhaseClock, PhaseMar
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
-from collectors.transport import TransportConfig
+from collectors.transport import Delivery, TransportConfig
+from collectors.wire import Record
+from tests.adapters_support import ROLLBACK, directed_hook
 from tests.collectors_support import REPO, FakeMarker, RecordingTransport, child_environ, wait_until
 from tests.support import require_module
 
@@ -703,3 +705,40 @@ def test_record_times_follow_a_stepped_wall_clock() -> None:
     wall[0] += 3_600.0
     clock.resync()
     assert clock.epoch(100.0) == pytest.approx(before + 3_600.0)
+
+
+LATER_ROLLBACK = {**ROLLBACK, "act_at_step": 40}  # after the first answers have arrived
+
+
+class AnsweringTransport(RecordingTransport):
+    """Answers every batch with one pending rollback, as the service does when asked with a
+    rank; the separate poll answers nothing, and is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+        self.polls = 0
+
+    def post(self, records: Sequence[Record]) -> Delivery:
+        self.answered += 1
+        return dataclasses.replace(super().post(records), directives=[LATER_ROLLBACK])
+
+    def directives(self, incarnation: str, rank: int) -> list[dict[str, Any]]:
+        self.polls += 1
+        return []
+
+
+def test_directives_answered_with_batches_spare_the_separate_poll(tmp_path: Path) -> None:
+    transport = AnsweringTransport()
+    with directed_hook(transport, tmp_path) as rh:
+        deadline = time.monotonic() + 10.0
+        while transport.answered < 20 and time.monotonic() < deadline:
+            rh.window_start(sample_ids=[rh.progress["attempt"]])
+            rh.loss(torch.tensor(1.0), tokens=1)
+            rh.window_end()
+            time.sleep(0.005)
+        polls = transport.polls
+        assert rh.should_stop()  # the rollback came only with the batches' answers
+        assert rh.directive == {"id": 7, "kind": "rollback", "step": 40, **ROLLBACK["payload"]}
+    # A cycle polls only when the one before it sent nothing (the first, before any batch).
+    assert transport.answered >= 20 and polls <= 2

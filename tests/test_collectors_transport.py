@@ -85,6 +85,18 @@ def test_records_reach_a_real_service(serve: ServeProcess, tmp_path: Path) -> No
     assert counters.snapshot()["sent"] == 30 and counters.snapshot()["spooled"] == 0
 
 
+def test_a_batch_sent_with_the_ranks_question_comes_back_with_its_directives(serve: ServeProcess) -> None:
+    token = serve.create_run("asked")
+    transport = HttpTransport(TransportConfig(url=serve.url, token=token, run="asked", timeout_s=5.0))
+    try:
+        assert transport.post([step(1)]).directives is None  # not asked: the plain answer
+        transport.ask_directives_with_posts("inc-1", 0)
+        delivery = transport.post([step(2)])
+        assert delivery.outcome is Outcome.DELIVERED and delivery.directives == []
+    finally:
+        transport.close()
+
+
 @pytest.mark.slow
 def test_an_invalid_record_is_dead_lettered_and_the_rest_delivered(
     serve: ServeProcess, tmp_path: Path

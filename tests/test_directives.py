@@ -46,6 +46,40 @@ def test_a_directive_reaches_its_ranks_until_each_answers(client: TestClient, ru
     assert new in pending(client, run, 2)
 
 
+def test_a_batch_asked_with_its_rank_is_answered_with_the_directives_left_after_it(
+    client: TestClient, run: RunHandle
+) -> None:
+    """The hook's sender asks with each batch, sparing a separate poll; an ack in the batch
+    already counts, and a batch asked without a rank is answered as before."""
+    first, second = (
+        client.post(f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=ADMIN).json()[
+            "directive"
+        ]
+        for _ in range(2)
+    )
+    ack = {
+        "kind": "directive_ack",
+        "directive_id": first,
+        "incarnation": INCARNATION,
+        "rank": 3,
+        "time": 1.0,
+        "status": "done",
+    }
+    asked = client.post(
+        run.records_path,
+        params={"incarnation": INCARNATION, "rank": 3},
+        json=batch(ack),
+        headers=run.headers,
+    )
+    assert asked.status_code == 200, asked.text
+    assert asked.json()["accepted"] == 1
+    answered = [d["id"] for d in asked.json()["directives"]]
+    assert second in answered and first not in answered
+    assert answered == pending(client, run, 3)
+    plain = client.post(run.records_path, json=batch(), headers=run.headers)
+    assert plain.status_code == 200 and "directives" not in plain.json()
+
+
 def test_an_incarnation_scoped_directive_skips_other_incarnations(client: TestClient, run: RunHandle) -> None:
     created = client.post(
         f"/v1/runs/{run.name}/directives",
