@@ -12,8 +12,9 @@ Printed as JSON: the median step-time ratio (hooked / bare), and the hook's adde
 per step, measured two ways:
 
 - Whole step: each step's process CPU less the sender thread's share (its own thread clock);
-  hooked minus bare, step by step, averaged; plus all the sender thread's CPU over the hooked
-  steps. Counts everything, also what the hook's code costs the training around it (caches it
+  hooked minus bare, step by step, averaged; plus the sender thread's CPU per hooked step, its
+  per-second part (measured while the hook idles) charged at a hooked step's pace, not three
+  steps' (``SenderRates``). Counts everything, also what the hook's code costs the training around it (caches it
   evicts), but a step's CPU varies by about a millisecond, so the standard error is 10-30 us.
   The same for the no-op calls is this method's floor on the machine: the first Python after a
   step's kernels runs on caches they evicted, whatever it does.
@@ -66,6 +67,7 @@ class BenchmarkConfig:
     layers: int = 2
     batch: int = 8
     seq_len: int = 64
+    idle_s: float = 6.0  # three sender cycles and a heartbeat
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
                "RUNHEALTH_SPOOL_DIR": str(workdir / "spool"), **_child_environ()}  # fmt: skip
     with RunHealth(model=training.model, optimizer=training.optimizer, environ=environ) as rh:
         sender_cpu = sender_clock()
+        started = time.perf_counter()
         for index in range(config.warmup + config.steps):
             batch = batches[index % len(batches)]
             kinds = [
@@ -201,20 +204,49 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
             if index == config.warmup - 1:
                 for timings in (bare, hooked, noop):
                     timings.clear()
+                started = time.perf_counter()
+        ran_s = time.perf_counter() - started
+        idle = sender_cpu()
+        time.sleep(config.idle_s)  # attached, no window: what the sender costs per second
+        sender_rates = SenderRates(ran_s, config.idle_s, sender_cpu() - idle)
         counters = rh.counters
-    return summarize(config, bare, hooked, noop, counters)
+    return summarize(config, bare, hooked, noop, sender_rates, counters)
+
+
+@dataclass(frozen=True)
+class SenderRates:
+    """The sender's CPU has a part per window (rendering, its share of a POST) and a part per
+    second (heartbeats, a poll or a POST's fixed cost every cycle). Here a hooked step comes
+    every third step, so the per-second part would be charged three times over: it is
+    measured while the hook idles, attached, and charged at the hooked step's own pace."""
+
+    ran_s: float  # the measured steps, all kinds, wall time
+    idle_s: float
+    idle_cpu_s: float
+
+    def per_step(self, sender_cpu_s: float, windows: int, step_s: float) -> tuple[float, float, float]:
+        """Per hooked step: the sender's CPU, its part per window, its part per second."""
+        per_second = self.idle_cpu_s / self.idle_s
+        per_window = (sender_cpu_s - per_second * self.ran_s) / windows
+        return per_window + per_second * step_s, per_window, per_second
 
 
 def summarize(
-    config: BenchmarkConfig, bare: Timings, hooked: Timings, noop: Timings, counters: dict[str, int]
+    config: BenchmarkConfig,
+    bare: Timings,
+    hooked: Timings,
+    noop: Timings,
+    rates: SenderRates,
+    counters: dict[str, int],
 ) -> dict[str, Any]:
     # The whole-step measure. The sender runs whenever it likes, in steps of every kind: its
-    # CPU is taken out of each step (its own thread clock) and all of it, over the hooked
-    # steps, is the hook's. The rest of a step's process CPU is the training thread's; the
+    # CPU is taken out of each step (its own thread clock) and charged to the hook as
+    # ``SenderRates`` says. The rest of a step's process CPU is the training thread's; the
     # mean of hooked minus bare, step by step, is what the hook adds there, and its standard
     # error says how far to trust it.
     steps = len(hooked.cpu_s)
-    sender = (sum(bare.sender_cpu_s) + sum(hooked.sender_cpu_s) + sum(noop.sender_cpu_s)) / steps
+    sender_total = sum(bare.sender_cpu_s) + sum(hooked.sender_cpu_s) + sum(noop.sender_cpu_s)
+    sender, per_window, per_second = rates.per_step(sender_total, steps, statistics.median(hooked.wall_s))
     added = [h - b for h, b in zip(training_cpu(hooked), training_cpu(bare), strict=True)]
     # Four calls that do nothing, at the same places: the floor of this method on this machine
     # (the first Python after a training step's kernels runs on caches the step evicted).
@@ -235,6 +267,11 @@ def summarize(
         "added_process_cpu_us_per_step": 1e6 * (statistics.fmean(added) + sender),
         "added_process_cpu_us_stderr": 1e6 * statistics.stdev(added) / math.sqrt(steps),
         "of_which_sender_thread_us_per_step": 1e6 * sender,
+        "sender_thread": {
+            "us_per_window": 1e6 * per_window,
+            "us_per_second": 1e6 * per_second,
+            "us_per_hooked_step_as_run": 1e6 * sender_total / steps,  # per-second part x3
+        },
         "four_noop_calls_added_cpu_us_per_step": 1e6 * statistics.fmean(floor),
         "four_noop_calls_added_cpu_us_stderr": 1e6 * statistics.stdev(floor) / math.sqrt(steps),
         "direct": {
