@@ -12,16 +12,15 @@ Printed as JSON: the median step-time ratio (hooked / bare), and the hook's adde
 per step, measured two ways:
 
 - Whole step: each step's process CPU less the sender thread's share (its own thread clock);
-  hooked minus bare, step by step, averaged; plus the sender thread's CPU per hooked step, its
-  per-second part (measured while the hook idles) charged at a hooked step's pace, not three
-  steps' (``SenderRates``). Counts everything, also what the hook's code costs the training around it (caches it
+  hooked minus bare, step by step, averaged; plus the sender thread's CPU per step, measured
+  over a stretch of steps that are all hooked (``hooked_sender_cpu``). Counts everything, also what the hook's code costs the training around it (caches it
   evicts), but a step's CPU varies by about a millisecond, so the standard error is 10-30 us.
   The same for the no-op calls is this method's floor on the machine: the first Python after a
   step's kernels runs on caches they evicted, whatever it does.
-- Direct: the training thread's CPU around the hook's four calls and around ``optimizer.step``
-  (where its optimizer hooks run), less the same clock readings around nothing in bare steps,
-  plus the sender thread's CPU. Precise to a microsecond or two, blind to effects on the code
-  around the hook.
+- Direct: the training thread's time in the hook's four calls and in ``optimizer.step`` (where
+  its optimizer hooks run; wall time, the slowest 1% of steps left out as preempted), less the
+  same clock readings around nothing in bare steps, plus the sender thread's CPU. Precise to a
+  microsecond or two, blind to effects on the code around the hook.
 
     python benchmarks/hook_overhead.py [--steps 600] [--warmup 50]
 
@@ -67,7 +66,7 @@ class BenchmarkConfig:
     layers: int = 2
     batch: int = 8
     seq_len: int = 64
-    idle_s: float = 6.0  # three sender cycles and a heartbeat
+    sender_steps: int = 500  # hooked throughout: five sender cycles, two heartbeats
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def make_batches(config: BenchmarkConfig, count: int) -> list[dict[str, Any]]:
 def bare_step(side: Training, batch: dict[str, Any], timings: Timings) -> None:
     # The clock is read as in ``hooked_step``, at the same points, around nothing: the direct
     # measure subtracts what the readings cost, and the whole-step difference does not see them.
-    clock = time.thread_time
+    clock = time.perf_counter
     tokens = batch["tokens"]
     started = clock()
     calls = clock() - started
@@ -140,7 +139,7 @@ def bare_step(side: Training, batch: dict[str, Any], timings: Timings) -> None:
 
 
 def hooked_step(side: Training, batch: dict[str, Any], rh: RunHealth, timings: Timings) -> None:
-    clock = time.thread_time  # around each hook call: the direct measure (``summarize``)
+    clock = time.perf_counter  # around each hook call: the direct measure (``summarize``)
     tokens = batch["tokens"]
     started = clock()
     rh.window_start(sample_ids=batch["ids"])
@@ -189,7 +188,6 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
                "RUNHEALTH_SPOOL_DIR": str(workdir / "spool"), **_child_environ()}  # fmt: skip
     with RunHealth(model=training.model, optimizer=training.optimizer, environ=environ) as rh:
         sender_cpu = sender_clock()
-        started = time.perf_counter()
         for index in range(config.warmup + config.steps):
             batch = batches[index % len(batches)]
             kinds = [
@@ -204,31 +202,25 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
             if index == config.warmup - 1:
                 for timings in (bare, hooked, noop):
                     timings.clear()
-                started = time.perf_counter()
-        ran_s = time.perf_counter() - started
-        idle = sender_cpu()
-        time.sleep(config.idle_s)  # attached, no window: what the sender costs per second
-        sender_rates = SenderRates(ran_s, config.idle_s, sender_cpu() - idle)
+        sender = hooked_sender_cpu(config, training, batches, rh, sender_cpu)
         counters = rh.counters
-    return summarize(config, bare, hooked, noop, sender_rates, counters)
+    return summarize(config, bare, hooked, noop, sender, counters)
 
 
-@dataclass(frozen=True)
-class SenderRates:
-    """The sender's CPU has a part per window (rendering, its share of a POST) and a part per
-    second (heartbeats, a poll or a POST's fixed cost every cycle). Here a hooked step comes
-    every third step, so the per-second part would be charged three times over: it is
-    measured while the hook idles, attached, and charged at the hooked step's own pace."""
-
-    ran_s: float  # the measured steps, all kinds, wall time
-    idle_s: float
-    idle_cpu_s: float
-
-    def per_step(self, sender_cpu_s: float, windows: int, step_s: float) -> tuple[float, float, float]:
-        """Per hooked step: the sender's CPU, its part per window, its part per second."""
-        per_second = self.idle_cpu_s / self.idle_s
-        per_window = (sender_cpu_s - per_second * self.ran_s) / windows
-        return per_window + per_second * step_s, per_window, per_second
+def hooked_sender_cpu(
+    config: BenchmarkConfig, training: Training, batches: list[dict[str, Any]], rh: RunHealth, sender_cpu: Any
+) -> float:
+    """The sender thread's CPU per step of a run that is hooked throughout. In the interleaved
+    run a hooked step comes every third step, so the sender's per-second part (heartbeats, a
+    POST's and a poll's fixed cost each cycle) would be charged three times over; here its
+    cycles come at a hooked run's pace, and its per-window part is the same."""
+    scratch = Timings()
+    for index in range(config.warmup):  # the sender's queue and cycle settle to this pace
+        hooked_step(training, batches[index % len(batches)], rh, scratch)
+    started = sender_cpu()
+    for index in range(config.sender_steps):
+        hooked_step(training, batches[index % len(batches)], rh, scratch)
+    return float(sender_cpu() - started) / config.sender_steps
 
 
 def summarize(
@@ -236,29 +228,28 @@ def summarize(
     bare: Timings,
     hooked: Timings,
     noop: Timings,
-    rates: SenderRates,
+    sender: float,
     counters: dict[str, int],
 ) -> dict[str, Any]:
     # The whole-step measure. The sender runs whenever it likes, in steps of every kind: its
-    # CPU is taken out of each step (its own thread clock) and charged to the hook as
-    # ``SenderRates`` says. The rest of a step's process CPU is the training thread's; the
-    # mean of hooked minus bare, step by step, is what the hook adds there, and its standard
-    # error says how far to trust it.
+    # CPU is taken out of each step (its own thread clock); the hook's share per step is
+    # measured apart (``hooked_sender_cpu``). The rest of a step's process CPU is the training
+    # thread's; the mean of hooked minus bare, step by step, is what the hook adds there, and
+    # its standard error says how far to trust it.
     steps = len(hooked.cpu_s)
     sender_total = sum(bare.sender_cpu_s) + sum(hooked.sender_cpu_s) + sum(noop.sender_cpu_s)
-    sender, per_window, per_second = rates.per_step(sender_total, steps, statistics.median(hooked.wall_s))
     added = [h - b for h, b in zip(training_cpu(hooked), training_cpu(bare), strict=True)]
     # Four calls that do nothing, at the same places: the floor of this method on this machine
     # (the first Python after a training step's kernels runs on caches the step evicted).
     floor = [n - b for n, b in zip(training_cpu(noop), training_cpu(bare), strict=True)]
-    # The direct measure: the hook's own code, timed where it runs. The training thread's CPU
-    # around its four calls and around ``optimizer.step`` (where its optimizer hooks run),
-    # minus the same readings in bare steps (what reading the clock costs there), and the
-    # sender thread's CPU. It leaves out what the hook's code costs the training around it
+    # The direct measure: the hook's own code, timed where it runs. The training thread's time
+    # in its four calls and in ``optimizer.step`` (where its optimizer hooks run), minus the
+    # same readings in bare steps (``trimmed_mean`` says why wall time), and the sender
+    # thread's CPU. It leaves out what the hook's code costs the training around it
     # (caches it evicts), which only the whole-step difference sees, within its error.
-    calls = statistics.fmean(hooked.hook_calls_s) - statistics.fmean(bare.hook_calls_s)
-    optimizer_hooks = statistics.fmean(hooked.optimizer_s) - statistics.fmean(bare.optimizer_s)
-    noop_calls = statistics.fmean(noop.hook_calls_s) - statistics.fmean(bare.hook_calls_s)
+    calls = trimmed_mean(hooked.hook_calls_s) - trimmed_mean(bare.hook_calls_s)
+    optimizer_hooks = trimmed_mean(hooked.optimizer_s) - trimmed_mean(bare.optimizer_s)
+    noop_calls = trimmed_mean(noop.hook_calls_s) - trimmed_mean(bare.hook_calls_s)
     return {
         "steps": steps,
         "bare_step_ms_median": 1e3 * statistics.median(bare.wall_s),
@@ -267,11 +258,7 @@ def summarize(
         "added_process_cpu_us_per_step": 1e6 * (statistics.fmean(added) + sender),
         "added_process_cpu_us_stderr": 1e6 * statistics.stdev(added) / math.sqrt(steps),
         "of_which_sender_thread_us_per_step": 1e6 * sender,
-        "sender_thread": {
-            "us_per_window": 1e6 * per_window,
-            "us_per_second": 1e6 * per_second,
-            "us_per_hooked_step_as_run": 1e6 * sender_total / steps,  # per-second part x3
-        },
+        "sender_thread_us_per_hooked_step_interleaved": 1e6 * sender_total / steps,  # see above
         "four_noop_calls_added_cpu_us_per_step": 1e6 * statistics.fmean(floor),
         "four_noop_calls_added_cpu_us_stderr": 1e6 * statistics.stdev(floor) / math.sqrt(steps),
         "direct": {
@@ -286,6 +273,16 @@ def summarize(
         "config": asdict(config),
         "torch": torch.__version__,
     }
+
+
+def trimmed_mean(values: list[float], top: float = 0.01) -> float:
+    """The mean without the slowest ``top`` share: the hook's calls never block, so their wall
+    time is their CPU time except when the OS or the sender thread (the GIL) preempts them,
+    which takes milliseconds where a call takes microseconds. Reading the thread's CPU clock
+    instead costs a system call, and the one after the hook's code runs cold: it overstated
+    the calls by about 20 us."""
+    kept = sorted(values)[: max(1, round(len(values) * (1 - top)))]
+    return statistics.fmean(kept)
 
 
 def training_cpu(timings: Timings) -> list[float]:

@@ -118,19 +118,23 @@ class PhaseMarks(NamedTuple):
     complete: bool  # False when the window had more changes than the clock keeps
 
     def durations(self, stamps: Stamps) -> dict[Phase, float] | None:
-        marks = self.marks
-        if not self.complete or len(marks) < 2:
-            return None
-        spent = dict.fromkeys(TIMED, 0.0)
-        if isinstance(stamps, WallStamps | CpuStamps):  # host seconds: subtracted inline
-            for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
-                if phase in spent:
-                    spent[phase] += end - start
-            return spent
+        return durations(self.marks, self.complete, stamps)
+
+
+def durations(marks: Sequence[Mark], complete: bool, stamps: Stamps) -> dict[Phase, float] | None:
+    """Seconds per timed phase of a window's marks; None when they are incomplete."""
+    if not complete or len(marks) < 2:
+        return None
+    spent = dict.fromkeys(TIMED, 0.0)
+    if isinstance(stamps, WallStamps | CpuStamps):  # host seconds: subtracted inline
         for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
             if phase in spent:
-                spent[phase] += stamps.seconds(start, end)
+                spent[phase] += end - start
         return spent
+    for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
+        if phase in spent:
+            spent[phase] += stamps.seconds(start, end)
+    return spent
 
 
 TIMED = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy
 
-from collectors.phases import Mark, Phase, PhaseMarks
+from collectors.phases import Mark, Phase, durations
 from collectors.tokens import supervised_tokens
 from collectors.values import host_float, on_device
 from collectors.wire import Draft, Record, wire_float
@@ -274,10 +274,11 @@ class PendingWindow(Draft):
 
     def render(self) -> Record:
         phases = self.context.phases
+        marks, complete = self.marks
         try:
-            return self._record(self._values(), PhaseMarks(*self.marks).durations(phases.stamps))
+            return self._record(self._values(), durations(marks, complete, phases.stamps))
         finally:
-            phases.release(self.marks[0])
+            phases.release(marks)
 
     def _values(self) -> dict[str, float | None]:
         window, totals = self.values, self.totals
@@ -300,7 +301,7 @@ class PendingWindow(Draft):
     def _verdict(self) -> tuple[int, bool | None]:
         """The step number and skip flag, once a device-only verdict is known."""
         skipped, skips = self.skipped, self.context.device_skips
-        if "found_inf" in self.device_names:
+        if self.device_names and "found_inf" in self.device_names:
             found_inf = self.device_values[self.device_names.index("found_inf")]
             skipped = found_inf > 0 and self.values.updates == 0
             skips.count += int(skipped)
