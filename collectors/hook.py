@@ -637,13 +637,20 @@ class RunHealth:
         if self._window is not None:
             self._phases.enter(Phase.FORWARD)
 
-    def _before_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """The optimizer phase begins, if ``grad_norm`` did not begin it. The learning rate was
-        read at the window's start: schedulers step after the update, so it is the one used."""
+    def _before_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer phase begins, if ``grad_norm`` did not begin it; the learning rate the
+        update uses is read again. The window's start read one already (the only one a
+        skipped update has), but loops that set the rate by hand at the top of an iteration
+        (nanoGPT, for one) may do so after ``window_start``."""
         try:
+            window = self._window
+            if window is None:
+                return
             phases = self._phases
-            if self._window is not None and phases.current[0] is not OPTIMIZER:
+            if phases.current[0] is not OPTIMIZER:
                 phases.enter(OPTIMIZER)
+            lr = optimizer.param_groups[0]["lr"]
+            window.lr = lr if type(lr) is float else learning_rate(optimizer)
         except Exception:
             self.faults.record("_before_optimizer_step")
 

@@ -742,3 +742,27 @@ def test_directives_answered_with_batches_spare_the_separate_poll(tmp_path: Path
         assert rh.directive == {"id": 7, "kind": "rollback", "step": 40, **ROLLBACK["payload"]}
     # A cycle polls only when the one before it sent nothing (the first, before any batch).
     assert transport.answered >= 20 and polls <= 2
+
+
+def test_a_rate_set_by_hand_after_the_window_starts_is_the_one_recorded(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """nanoGPT-style loops set the rate at the top of each iteration, which may come after
+    ``window_start``: the record carries the rate the update used."""
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    with attach(tmp_path, transport, model=model, optimizer=optimizer) as rh:
+        for lr in (0.5, 0.25, 0.125):
+            rh.window_start()
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.nn.functional.cross_entropy(
+                model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
+            )
+            rh.loss(loss, labels=tokens)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad()
+            rh.window_end()
+    assert [s["lr"] for s in transport.records("step")] == [0.5, 0.25, 0.125]
