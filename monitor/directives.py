@@ -1,7 +1,9 @@
 """Directives: instructions from the service to a run's hooks, and their acknowledgements.
 
-A hook polls ``GET /v1/runs/{run}/directives`` off its training step; a directive applies to
-an incarnation (or any) and to some ranks (or all). ``dump_stacks`` acts at once; directives
+A hook learns them off its training step, with the answer to each batch it posts or from
+``GET /v1/runs/{run}/directives`` when it sent nothing; a directive applies to an incarnation
+(or any) and to some ranks (or all), and one for an incarnation that has since restarted is
+retired when the next one starts. ``dump_stacks`` acts at once; directives
 that must act at one step on every rank name ``act_at_step``.
 """
 
@@ -88,6 +90,25 @@ def directive_view(row: Any) -> dict[str, Any]:
         "created_by": row["created_by"],
         "created_at": row["created_at"],
     }
+
+
+def retire_older_incarnations(connection: Connection, run_id: int, started_at: float) -> int:
+    """A new incarnation started at ``started_at``: directives still pending for incarnations
+    that started before it can never be answered (their ranks are gone) and are marked
+    superseded, as a reissued directive is. Run-wide ones (no incarnation) stay pending."""
+    older = sa.select(INCARNATION.c.incarnation).where(
+        INCARNATION.c.run_id == run_id, INCARNATION.c.started_at < started_at
+    )
+    retired = connection.execute(
+        DIRECTIVE.update()
+        .where(
+            DIRECTIVE.c.run_id == run_id,
+            DIRECTIVE.c.status == "pending",
+            DIRECTIVE.c.incarnation.in_(older),
+        )
+        .values(status="superseded")
+    )
+    return int(retired.rowcount or 0)
 
 
 def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int | None) -> bool:

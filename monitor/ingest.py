@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from monitor import models
+from monitor import directives, models
 from monitor.floats import to_wire
 from monitor.schemas import HeartbeatIn, RunFinishIn, RunStartIn
 
@@ -287,12 +287,14 @@ def _ingest_run_starts(
         ).first()
         if existing is None:
             connection.execute(table.insert(), {**row, "run_id": run_id, "content_hash": digest})
+            directives.retire_older_incarnations(connection, run_id, record.time)
             stored += 1
         elif existing.content_hash == "":
             # A finish that arrived first made a placeholder; the start completes it.
             connection.execute(
                 table.update().where(table.c.id == existing.id).values(**row, content_hash=digest)
             )
+            directives.retire_older_incarnations(connection, run_id, record.time)
             stored += 1
         elif existing.content_hash == digest:
             result.duplicates += 1

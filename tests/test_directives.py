@@ -1,5 +1,7 @@
 """Directives: created by the service, polled by each rank, answered once."""
 
+from typing import Any
+
 from fastapi.testclient import TestClient
 
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, batch
@@ -78,6 +80,43 @@ def test_a_batch_asked_with_its_rank_is_answered_with_the_directives_left_after_
     assert answered == pending(client, run, 3)
     plain = client.post(run.records_path, json=batch(), headers=run.headers)
     assert plain.status_code == 200 and "directives" not in plain.json()
+
+
+def started(incarnation: str, time: float) -> dict[str, Any]:
+    return {"kind": "run_start", "incarnation": incarnation, "time": time, "world_size": 2}
+
+
+def test_a_new_incarnation_retires_what_was_pending_for_older_ones(
+    client: TestClient, run: RunHandle
+) -> None:
+    """The ranks of an incarnation that restarted can never answer; a run-wide directive still
+    applies. A late start of an even older incarnation (a spool replayed) retires nothing new."""
+    assert (
+        client.post(run.records_path, json=batch(started("inc-a", 100.0)), headers=run.headers).status_code
+        == 200
+    )
+
+    def create(**fields: Any) -> int:
+        response = client.post(
+            f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks", **fields}, headers=ADMIN
+        )
+        assert response.status_code == 201, response.text
+        return int(response.json()["directive"])
+
+    for_a, run_wide = create(incarnation="inc-a"), create()
+    assert for_a in pending(client, run, 0, incarnation="inc-a")
+    assert (
+        client.post(run.records_path, json=batch(started("inc-b", 200.0)), headers=run.headers).status_code
+        == 200
+    )
+    assert for_a not in pending(client, run, 0, incarnation="inc-a")
+    assert run_wide in pending(client, run, 0, incarnation="inc-b")
+    for_b = create(incarnation="inc-b")
+    assert (
+        client.post(run.records_path, json=batch(started("inc-0", 50.0)), headers=run.headers).status_code
+        == 200
+    )
+    assert {for_b, run_wide} <= set(pending(client, run, 0, incarnation="inc-b"))
 
 
 def test_an_incarnation_scoped_directive_skips_other_incarnations(client: TestClient, run: RunHandle) -> None:
