@@ -494,10 +494,11 @@ class RunHealth:
             self._emit(ready)
 
     def _hand_over(self, window: WindowValues, end: float) -> None:
-        """A CPU rank's window, unfolded and with no device flag: the counters advance here;
-        counting labels and reading values wait for the sender's render. Right after a
-        training step every operation here costs microseconds (caches evicted), and the same
-        work costs a fraction of that in the sender's batch."""
+        """A CPU rank's window, unfolded and with no device flag: the counters advance here and
+        the loss is read (to free its graph here); counting labels and reading the other values
+        wait for the sender's render. Right after a training step every operation here costs
+        microseconds (caches evicted), and the same work costs a fraction of that in the
+        sender's batch."""
         # ``WindowValues.local_examples``, ``_advance`` and ``PhaseClock.take_window``, inlined.
         microbatches = window.microbatches
         examples = window.examples
