@@ -126,7 +126,7 @@ def bare_step(side: Training, batch: dict[str, Any], timings: Timings) -> None:
     started = clock()
     calls += clock() - started
     loss.backward()  # type: ignore[no-untyped-call]
-    norm = torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
     started = clock()
     calls += clock() - started
     started = clock()
@@ -135,7 +135,6 @@ def bare_step(side: Training, batch: dict[str, Any], timings: Timings) -> None:
     side.optimizer.zero_grad(set_to_none=True)
     started = clock()
     timings.hook_calls_s.append(calls + clock() - started)
-    del norm
 
 
 def hooked_step(side: Training, batch: dict[str, Any], rh: RunHealth, timings: Timings) -> None:

@@ -109,28 +109,12 @@ def stamps_for(device_type: str, world_size: int) -> Stamps:
 Mark = tuple[Phase, float, Any]
 
 
-class PhaseMarks(NamedTuple):
-    """A window's phase changes, in order; the last one only closes the one before it. Taken
-    from the clock as a plain tuple of the same two fields (``PhaseClock.take_window``) and
-    made a ``PhaseMarks`` where it is read: on the training thread every call costs."""
-
-    marks: Sequence[Mark]
-    complete: bool  # False when the window had more changes than the clock keeps
-
-    def durations(self, stamps: Stamps) -> dict[Phase, float] | None:
-        return durations(self.marks, self.complete, stamps)
-
-
 def durations(marks: Sequence[Mark], complete: bool, stamps: Stamps) -> dict[Phase, float] | None:
-    """Seconds per timed phase of a window's marks; None when they are incomplete."""
+    """Seconds per timed phase of a window's marks (in order; the last one only closes the one
+    before it), as ``PhaseClock.take_window`` gives them; None when they are incomplete."""
     if not complete or len(marks) < 2:
         return None
     spent = dict.fromkeys(TIMED, 0.0)
-    if isinstance(stamps, WallStamps | CpuStamps):  # host seconds: subtracted inline
-        for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
-            if phase in spent:
-                spent[phase] += end - start
-        return spent
     for (phase, _, start), (_, _, end) in itertools.pairwise(marks):
         if phase in spent:
             spent[phase] += stamps.seconds(start, end)
@@ -199,8 +183,8 @@ class PhaseClock:
             self._epoch_offset = offset
 
     def take_window(self) -> tuple[Sequence[Mark], bool]:
-        """The marks since the last call and whether they are complete (``PhaseMarks``'s
-        fields); whoever reads them releases them afterwards. The list itself changes hands
+        """The marks since the last call and whether they are complete (``durations`` reads
+        them); whoever reads them releases them afterwards. The list itself changes hands
         (no copy): this clock starts a new one."""
         taken = self.marks, not self.overflow and len(self.marks) <= self.max_marks
         self.marks, self.overflow = [], False

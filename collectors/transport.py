@@ -122,8 +122,7 @@ class HttpTransport:
         self._connection = Connection(config.url, config.timeout_s)
         self._poll_connection = Connection(config.url, config.timeout_s)
         self._path = f"/v1/runs/{config.run}/records"
-        self._post_path = self._path
-        self._asking = False
+        self._post_path = self._path  # with the rank's question once asked to carry it
         self._headers = {
             "authorization": f"Bearer {config.token or ''}",
             "content-type": "application/json",
@@ -134,7 +133,6 @@ class HttpTransport:
         comes back with a batch spares the sender that cycle's separate poll (one request
         instead of two per rank every few seconds, at the service as at the trainer)."""
         self._post_path = f"{self._path}?{urlencode({'incarnation': incarnation, 'rank': rank})}"
-        self._asking = True
 
     def post(self, records: Sequence[Record]) -> Delivery:
         try:
@@ -142,7 +140,7 @@ class HttpTransport:
         except (OSError, http.client.HTTPException) as exc:  # the service, not the batch
             return Delivery(Outcome.RETRY, None, f"{type(exc).__name__}: {exc}")
         delivery = classify(status, body)
-        if delivery.outcome is Outcome.DELIVERED and self._asking:
+        if delivery.outcome is Outcome.DELIVERED and self._post_path != self._path:
             items = json_body(body).get("directives")
             if isinstance(items, list):
                 return Delivery(Outcome.DELIVERED, status, directives=items)

@@ -27,7 +27,7 @@ from collectors import (
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
 from collectors.markers import WallMarker
-from collectors.phases import CpuStamps, CudaStamps, Phase, PhaseClock, PhaseMarks, WallStamps, stamps_for
+from collectors.phases import CpuStamps, CudaStamps, Phase, PhaseClock, WallStamps, durations, stamps_for
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -526,9 +526,12 @@ def test_phase_timings_add_up_each_phase() -> None:
     clock = PhaseClock(stamps, max_marks=16)
     for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA):
         clock.enter(phase)
-    window = PhaseMarks(*clock.take_window())
     # forward 1-2 and 3-4, backward 2-3 and 4-10, optimizer 10-12
-    assert window.durations(stamps) == {Phase.FORWARD: 2.0, Phase.BACKWARD: 7.0, Phase.OPTIMIZER: 2.0}
+    assert durations(*clock.take_window(), stamps) == {
+        Phase.FORWARD: 2.0,
+        Phase.BACKWARD: 7.0,
+        Phase.OPTIMIZER: 2.0,
+    }
     assert clock.state.phase is Phase.DATA
     assert abs(clock.epoch(clock.state.since) - time.time()) < 1.0
 
@@ -537,8 +540,8 @@ def test_a_window_with_too_many_phase_changes_reports_unknown_timings() -> None:
     clock = PhaseClock(WallStamps(), max_marks=3)
     for phase in (Phase.FORWARD, Phase.BACKWARD) * 3:
         clock.enter(phase)
-    assert PhaseMarks(*clock.take_window()).durations(WallStamps()) is None
-    assert PhaseMarks((), complete=True).durations(WallStamps()) is None
+    assert durations(*clock.take_window(), WallStamps()) is None
+    assert durations((), True, WallStamps()) is None
 
 
 def test_cpu_ranks_are_timed_by_their_threads_work_and_a_single_process_by_the_wall() -> None:
@@ -555,7 +558,7 @@ def test_cpu_ranks_are_timed_by_their_threads_work_and_a_single_process_by_the_w
     clock.enter(Phase.BACKWARD)
     time.sleep(0.1)
     clock.enter(Phase.DATA)
-    spent = PhaseMarks(*clock.take_window()).durations(stamps)
+    spent = durations(*clock.take_window(), stamps)
     assert spent is not None
     assert spent[Phase.FORWARD] >= 0.03
     assert spent[Phase.BACKWARD] < 0.02
