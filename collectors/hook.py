@@ -499,31 +499,19 @@ class RunHealth:
         wait for the sender's render. Right after a training step every operation here costs
         microseconds (caches evicted), and the same work costs a fraction of that in the
         sender's batch."""
-        # ``WindowValues.local_examples``, ``_advance`` and ``PhaseClock.take_window`` inlined:
-        # the three calls measured 4 us a step here (direct measure, 6,000 steps). Any change
-        # to those rules is made in both places.
         microbatches = window.microbatches
-        examples = window.examples
+        examples = window.examples  # ``WindowValues.local_examples``, inlined
         if examples is None:
             ids = window.sample_ids
             examples = len(ids) if ids is not None else label_rows(microbatches) or None
         updated = window.updates > 0
-        if updated or not self._optimizers:
-            self._step += 1
-        if examples is None:
-            self._consumed = None
-        elif self._consumed is not None:
-            self._consumed += examples * self._dp_size
+        self._advance(updated, examples)
         for index, (loss, labels, tokens) in enumerate(microbatches):
             if getattr(loss, "is_cpu", False):
                 # Read now (host memory: no device involved). The tensor would hold its
                 # autograd graph until the render, and the graph freed on the sender thread
                 # costs that thread several times what it costs here.
                 microbatches[index] = (loss.item(), labels, tokens)
-        phases = self._phases
-        marks, phases.marks = phases.marks, []
-        complete = not phases.overflow and len(marks) <= phases.max_marks
-        phases.overflow = False
         pending = PendingWindow(
             self._render_context,
             window,
@@ -534,7 +522,7 @@ class RunHealth:
             (not updated) if self._optimizers else None,
             end,
             (),
-            (marks, complete),
+            self._phases.take_window(),
         )
         self._sender.submit(pending)
 

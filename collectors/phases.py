@@ -186,7 +186,6 @@ class PhaseClock:
         """The marks since the last call and whether they are complete (``durations`` reads
         them); whoever reads them releases them afterwards. The list itself changes hands
         (no copy): this clock starts a new one."""
-        # The same rule is inlined in ``RunHealth._hand_over``.
         taken = self.marks, not self.overflow and len(self.marks) <= self.max_marks
         self.marks, self.overflow = [], False
         return taken
