@@ -27,7 +27,10 @@ from monitor.floats import to_wire
 
 AUDIT = models.table_of(models.AuditEntry)
 GENESIS = "0" * 64
-APPEND_ATTEMPTS = 20
+# A lost race means another writer appended, so retrying always makes progress; but under
+# contention one writer can lose many times in a row (4 writers on 2 cores lost 20 in CI).
+# Past this many, or on a conflict the tail did not move for, something else is wrong.
+APPEND_ATTEMPTS = 10_000
 
 
 def canonical(entry: Mapping[str, Any]) -> bytes:
@@ -66,11 +69,16 @@ def append(
     details: Mapping[str, Any] | None = None,
 ) -> int:
     """Append one entry inside the caller's transaction; returns its sequence number."""
+    lost_to = -1
     for _ in range(APPEND_ATTEMPTS):
         tail = connection.execute(
             sa.select(AUDIT.c.seq, AUDIT.c.hash).order_by(AUDIT.c.seq.desc()).limit(1)
         ).first()
         seq = (tail.seq if tail else 0) + 1
+        if seq == lost_to:
+            raise RuntimeError(
+                f"could not append audit entry {seq}: it conflicts, and no other writer took it"
+            )
         entry: dict[str, Any] = {
             "seq": seq,
             "time": now,
@@ -89,6 +97,7 @@ def append(
             connection.execute(AUDIT.insert(), entry)
         except sa.exc.IntegrityError:
             savepoint.rollback()  # another writer took this tail: read the new one
+            lost_to = seq
             continue
         savepoint.commit()
         return int(seq)

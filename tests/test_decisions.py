@@ -356,6 +356,19 @@ def test_audit_verify_catches_an_edit_a_deletion_and_a_swap(
 
 
 @both_backends
+def test_a_conflict_no_other_writer_explains_is_reported_at_once(store: Engine) -> None:
+    """A lost race is retried on the new tail as often as other writers win; a conflict on a
+    tail that did not move (here a stray row already claiming the tail's hash) is not a race."""
+    with store.begin() as connection:
+        audit.append(connection, actor="a", action="note", subject="test:0", now=0.0)
+        tail = connection.execute(sa.select(audit.AUDIT)).mappings().one()
+        stray = {**tail, "seq": -1, "subject": "stray", "prev_hash": tail["hash"]}
+        connection.execute(audit.AUDIT.insert(), stray)
+    with store.begin() as connection, pytest.raises(RuntimeError, match="no other writer took it"):
+        audit.append(connection, actor="a", action="note", subject="test:1", now=1.0)
+
+
+@both_backends
 def test_concurrent_appends_never_fork_the_chain(store: Engine) -> None:
     barrier = threading.Barrier(4)
 
