@@ -22,6 +22,7 @@ from collectors.layout import Identity
 from collectors.sender import Sender, Transport
 from collectors.spool import Spool
 from collectors.transport import Delivery, HttpTransport, Outcome
+from collectors.window import prepare_batch
 from collectors.wire import Record
 
 log = logging.getLogger("runhealth.collectors")
@@ -123,6 +124,7 @@ def build_sender(
         heartbeat=heartbeat,
         poll=poll,
         directives=directives,
+        prepare=prepare_batch,
     )
 
 

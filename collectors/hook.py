@@ -152,6 +152,9 @@ class RunHealth:
         self._armory = Armory()
         self._stop: Directive | None = None
         self._boundary_attempt = -1
+        # The attempt at which ``window_start`` next calls ``_boundary``: every ``agree_every``
+        # attempts, or at once (0) when a local directive is armed. One comparison per window.
+        self._next_boundary = 0
         self._next_poll = 0.0
         self._answered_with_post = False
         self._canary_stack: dict[str, Any] | None = None
@@ -369,7 +372,7 @@ class RunHealth:
                 self._ready_for_window()
                 if not self._active:
                     return
-            if self._attempt % self._agree_every == 0 or self._armory.local:
+            if self._attempt >= self._next_boundary:
                 self._boundary()
             now = time.perf_counter()
             if data_wait_s is None and self._last_end is not None:
@@ -512,19 +515,16 @@ class RunHealth:
                 # autograd graph until the render, and the graph freed on the sender thread
                 # costs that thread several times what it costs here.
                 microbatches[index] = (loss.item(), labels, tokens)
-        pending = PendingWindow(
+        skipped = (not updated) if self._optimizers else None
+        window.handed = (
             self._render_context,
-            window,
-            None,
-            microbatches,
             self._step,
             self._consumed,
-            (not updated) if self._optimizers else None,
+            skipped,
             end,
-            (),
             self._phases.take_window(),
         )
-        self._sender.submit(pending)
+        self._sender.submit(window)
 
     def _settle(self, window: WindowValues) -> None:
         """Microbatches taken as given become settled totals; a window of very many folds."""
@@ -860,11 +860,16 @@ class RunHealth:
         """Once per window boundary, on every rank alike: local directives, then the agreement."""
         if self._boundary_attempt == self._attempt or self._stop is not None:
             return
-        self._boundary_attempt = self._attempt
+        self._boundary_attempt = attempt = self._attempt
+        self._next_boundary = attempt - attempt % self._agree_every + self._agree_every
+        # After that assignment: a local directive the sender thread arms from here on either
+        # shows here or sets ``_next_boundary`` to 0 after it (``_apply_directives``).
         local = self._armory.take_local()
+        if self._armory.local:
+            self._next_boundary = 0
         if local is not None:
             self._act(local)
-        if self._attempt % self._agree_every:
+        if attempt % self._agree_every:
             return
         agreed = self._consensus.exchange(self._armory.oldest_armed())
         directive = self._armory.known(agreed) if agreed else None
@@ -978,6 +983,8 @@ class RunHealth:
             if directive.kind == IMMEDIATE and self._armory.first_time(directive.id):
                 self._answer_dump(directive)
         self._armory.update(pending, self._step, self._ack)
+        if self._armory.local:  # acted on at the next window's start (``_boundary``)
+            self._next_boundary = 0
 
     def _answer_dump(self, directive: Directive) -> None:
         """All thread stacks, taken here on the sender thread: it works while training is stuck."""
@@ -1002,7 +1009,7 @@ class RunHealth:
             self._emit(self._ring.drain())
         self.incarnation = str(self._collectives.broadcast(str(uuid.uuid4())))
         self._ask_directives_with_posts()
-        self._attempt = 0
+        self._attempt = self._next_boundary = 0
         self._boundary_attempt = -1
         context = self._render_context
         self._render_context = RenderContext(

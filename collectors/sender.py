@@ -87,6 +87,7 @@ class Sender:
         heartbeat: Callable[[], Record | None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
         directives: Callable[[list[dict[str, Any]]], None] = lambda items: None,
+        prepare: Callable[[list[Draft]], None] = lambda drafts: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
@@ -96,6 +97,7 @@ class Sender:
         self._heartbeat = heartbeat
         self._poll = poll
         self._directives = directives
+        self._prepare = prepare  # once per batch, before its drafts are rendered one by one
         self._clock = clock
         self._queue: deque[Record | Draft] = deque()
         # ``submit`` runs on the training thread every step: its limits read without a chain.
@@ -240,15 +242,26 @@ class Sender:
     def _take(self, limit: int) -> tuple[list[Record], int]:
         """Up to ``limit`` queued items as one batch, and how many items were taken (a record
         that fails to render is taken but not sent)."""
+        queue = self._queue  # only this thread takes from it: its length only grows meanwhile
+        items = [queue.popleft() for _ in range(min(limit, self._config.batch_records, len(queue)))]
+        drafts = [item for item in items if isinstance(item, Draft)]
+        if drafts:
+            self._prepare_drafts(drafts)
         batch: list[Record] = []
-        taken = 0
-        while self._queue and taken < limit and len(batch) < self._config.batch_records:
-            item = self._queue.popleft()
-            taken += 1
+        for item in items:
             record = self._render(item) if isinstance(item, Draft) else item
             if record is not None:
                 batch.append(record)
-        return batch, taken
+        return batch, len(items)
+
+    def _prepare_drafts(self, drafts: list[Draft]) -> None:
+        try:
+            self._prepare(drafts)
+        except Exception:  # each draft still renders on its own, only slower
+            self._counters.add("hook_errors")
+            if "prepare" not in self._logged:
+                self._logged.add("prepare")
+                log.exception("runhealth sender: preparing a batch failed (logged once)")
 
     def _render(self, draft: Draft) -> Record | None:
         try:

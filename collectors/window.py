@@ -15,6 +15,7 @@ over: they are read within a flush interval of the window's end.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 Value = Any  # a tensor (device or CPU) or a host number
 Microbatch = tuple[Any, Any, Any]  # (loss, labels, tokens) as the trainer gave them
+# A CPU rank's window as handed over: its render context, step, consumed examples, skipped,
+# end (``perf_counter`` seconds), phase marks (``PhaseClock.take_window``).
+HandOver = tuple["RenderContext", int, int | None, bool | None, float, tuple[Sequence[Mark], bool]]
 SCALARS = ("grad_norm", "loss_scale", "lr")
 
 
@@ -84,9 +88,14 @@ class Counting:
 
 
 @dataclass(slots=True)
-class WindowValues:
+class WindowValues(Draft):
     """Filled by the training thread between ``window_start`` and ``window_end`` (references
-    only); read, never written, after it."""
+    only); read, never written, after it.
+
+    A CPU rank hands the window itself to the sender (``RunHealth._hand_over``), with the
+    ``handed`` facts set: rendered there as a ``PendingWindow`` of host values. Making that
+    object on the sender rather than at the window's end spares the training thread an object
+    of ten fields (a few microseconds right after a training step)."""
 
     attempt: int
     data_wait_s: float | None
@@ -100,6 +109,16 @@ class WindowValues:
     lr: Value | None = None
     updates: int = 0  # optimizer steps known on the host to have updated
     verdicts: list[Any] | None = None  # device found-inf flags of fused optimizers' steps
+    handed: HandOver | None = None
+
+    def render(self) -> Record:
+        handed = self.handed
+        if handed is None:
+            raise ValueError("a window is rendered only once handed over (RunHealth._hand_over)")
+        context, step, consumed, skipped, end, marks = handed
+        return PendingWindow(
+            context, self, None, self.microbatches, step, consumed, skipped, end, (), marks
+        ).render()
 
     def local_examples(self, rows: int) -> int | None:
         """This rank's examples: as given, else the sample ids, else the label rows."""
@@ -221,6 +240,46 @@ def settle_on_host(microbatches: Sequence[Microbatch]) -> list[Microbatch] | Non
             loss = loss.detach()
         host.append((loss, labels if tokens is None else None, tokens))
     return host
+
+
+def prepare_batch(drafts: Sequence[Draft]) -> None:
+    """Before a batch's windows are rendered one by one (the sender thread): their CPU labels
+    are counted together, one numpy comparison per batch instead of four numpy calls per window
+    (about 6 us a window on the reference CPU, against under one in bulk). Each counted
+    microbatch gets its count as its token count, which is how ``add_host`` would use it."""
+    groups: dict[tuple[Counting, Any, Any], list[tuple[list[Microbatch], int, Any]]] = {}
+    for draft in drafts:
+        if type(draft) is WindowValues and draft.handed is not None:
+            microbatches, counting = draft.microbatches, draft.handed[0].counting
+        elif type(draft) is PendingWindow and draft.totals is None:
+            microbatches, counting = draft.host, draft.context.counting
+        else:
+            continue
+        for index, (_, labels, tokens) in enumerate(microbatches):
+            if tokens is None and plain_cpu_tensor(labels) and labels.dim() >= int(counting.shift):
+                key = (counting, labels.shape, labels.dtype)
+                groups.setdefault(key, []).append((microbatches, index, labels))
+    if groups:
+        torch = importlib.import_module("torch")  # loaded already: these are its tensors
+    for (counting, _, _), members in groups.items():
+        stacked = torch.stack([labels for _, _, labels in members]).numpy()
+        targets = stacked[..., 1:] if counting.shift else stacked
+        flags = (targets != counting.ignore_index).reshape(len(members), -1)
+        counts = numpy.count_nonzero(flags, axis=1).tolist()
+        for (microbatches, index, _), count in zip(members, counts, strict=True):
+            loss, _, _ = microbatches[index]
+            microbatches[index] = (loss, None, float(count))
+
+
+def plain_cpu_tensor(labels: Any) -> bool:
+    """A CPU tensor that needs no grad: stacked and read as numpy. Anything else (a device
+    tensor, a list) is counted one by one, as ``Counting.count`` does."""
+    return (
+        type(labels).__module__.startswith("torch")
+        and getattr(labels, "is_cpu", False)
+        and not getattr(labels, "requires_grad", True)
+        and hasattr(labels, "dim")
+    )
 
 
 def label_rows(microbatches: Sequence[Microbatch]) -> int:

@@ -769,3 +769,57 @@ def test_a_rate_set_by_hand_after_the_window_starts_is_the_one_recorded(
             optimizer.zero_grad()
             rh.window_end()
     assert [s["lr"] for s in transport.records("step")] == [0.5, 0.25, 0.125]
+
+
+def test_labels_counted_in_bulk_give_what_counting_one_by_one_gives() -> None:
+    """The sender counts a batch's CPU labels together (``prepare_batch``): grouped by shape
+    and type, shifted or not, with the ignore index; anything else is left to the render."""
+    from collectors.window import Counting, PendingWindow, RenderContext, WindowValues, prepare_batch
+
+    generator = torch.Generator().manual_seed(3)
+
+    def labels(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        values = torch.randint(-1, 5, shape, generator=generator)
+        return values.masked_fill(values < 0, -100).to(dtype)
+
+    given = [
+        labels(4, 9),
+        labels(4, 9),
+        labels(2, 7),  # another shape
+        labels(4, 9, dtype=torch.int32),  # another type
+        labels(6),  # one sequence
+        labels(4, 9).t(),  # not contiguous
+        labels(4, 9).float().requires_grad_(),  # needs grad: left to the render
+    ]
+
+    clock = PhaseClock(WallStamps(), 8)  # one epoch offset for both renders
+
+    def drafts(counting: Counting) -> list[Any]:
+        context = RenderContext({"rank": 0}, counting, 16, clock)
+        made: list[Any] = []
+        for attempt, label in enumerate(given):
+            window = WindowValues(attempt, None)
+            window.microbatches, window.count = [(2.0, label, None)], 1
+            window.handed = (context, attempt, None, None, 100.0, ([], False))
+            made.append(window)
+        settled = WindowValues(99, None)  # through the ring's path: a ``PendingWindow``
+        settled.count = 2
+        host = [(1.0, given[0], None), (3.0, None, 5.0)]
+        made.append(PendingWindow(context, settled, None, host, 1, None, None, 0.0, (), ([], False)))
+        return made
+
+    for counting in (Counting(True, -100), Counting(False, -100), Counting(True, 3)):
+        one_by_one = [draft.render() for draft in drafts(counting)]
+        bulk = drafts(counting)
+        prepare_batch(bulk)
+        counted = [
+            microbatch
+            for draft in bulk
+            for microbatch in (draft.microbatches if isinstance(draft, WindowValues) else draft.host)
+        ]
+        assert [labels is None for _, labels, _ in counted] == [True] * 6 + [False, True, True]
+        assert [draft.render() for draft in bulk] == one_by_one
+        expected = [float(supervised_tokens(label.detach(), shift=counting.shift,
+                                            ignore_index=counting.ignore_index)) for label in given]  # fmt: skip
+        assert [record["tokens"] for record in one_by_one[:7]] == expected
+        assert one_by_one[7]["tokens"] == expected[0] + 5

@@ -22,6 +22,7 @@ from collectors.http11 import HttpConnection
 from collectors.sender import Sender, SenderConfig
 from collectors.spool import Spool, SpoolConfig
 from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
+from collectors.wire import Draft
 from tests.collectors_support import ServeProcess, child_environ, step_rows, wait_until
 from tests.support import free_port, require_module
 
@@ -434,3 +435,57 @@ def test_a_server_that_closes_without_answering_is_a_remote_disconnect() -> None
             connection.request("GET", "/", None, {})
         connection.close()
         thread.join(timeout=2.0)
+
+
+class CollectingTransport:
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def post(self, records: Any) -> Delivery:
+        self.records.extend(records)
+        return Delivery(Outcome.DELIVERED, 200)
+
+    def close(self) -> None:
+        return None
+
+
+class StepDraft(Draft):
+    __slots__ = ("attempt",)
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt = attempt
+
+    def render(self) -> dict[str, Any]:
+        return step(self.attempt)
+
+
+def test_a_batch_is_prepared_once_before_its_drafts_render_and_a_failed_preparation_costs_nothing(
+    tmp_path: Path,
+) -> None:
+    """The sender hands each batch's drafts to ``prepare`` together (bulk work, such as counting
+    labels); if that fails, every draft still renders on its own and is delivered."""
+    for fails in (False, True):
+        counters, transport = Counters(), CollectingTransport()
+        batches: list[list[int]] = []
+
+        def prepare(drafts: list[Any], fails: bool = fails, batches: list[list[int]] = batches) -> None:
+            batches.append([draft.attempt for draft in drafts])
+            if fails:
+                raise RuntimeError("a bug in the bulk step")
+
+        sender = Sender(
+            SenderConfig(batch_records=3, close_timeout_s=5.0),
+            transport,
+            Spool(SpoolConfig(directory=str(tmp_path / f"spool-{fails}")), "r", "n.rank0.a", counters),
+            counters,
+            prepare=prepare,
+        )
+        sender.submit(step(0))  # a plain record: never handed to ``prepare``
+        for attempt in range(1, 6):
+            sender.submit(StepDraft(attempt))
+        sender.close()  # never started: the close delivers what was queued
+        assert [record["attempt"] for record in transport.records] == [0, 1, 2, 3, 4, 5]
+        assert batches == [[1, 2], [3, 4, 5]]
+        counted = counters.snapshot()
+        assert counted.get("hook_errors", 0) == (2 if fails else 0)
+        assert counted.get("dropped", 0) == 0
