@@ -185,7 +185,8 @@ class PhaseClock:
     def take_window(self) -> tuple[Sequence[Mark], bool]:
         """The marks since the last call and whether they are complete (``durations`` reads
         them); whoever reads them releases them afterwards. The list itself changes hands
-        (no copy): this clock starts a new one."""
+        (no copy): this clock starts a new one. Written out again in ``RunHealth.window_end``
+        (a CPU rank's window): keep the two in step."""
         taken = self.marks, not self.overflow and len(self.marks) <= self.max_marks
         self.marks, self.overflow = [], False
         return taken

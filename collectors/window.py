@@ -92,7 +92,7 @@ class WindowValues(Draft):
     """Filled by the training thread between ``window_start`` and ``window_end`` (references
     only); read, never written, after it.
 
-    A CPU rank hands the window itself to the sender (``RunHealth._hand_over``), with the
+    A CPU rank hands the window itself to the sender (``RunHealth.window_end``), with the
     ``handed`` facts set: rendered there as a ``PendingWindow`` of host values. Making that
     object on the sender rather than at the window's end spares the training thread an object
     of ten fields (a few microseconds right after a training step)."""
@@ -114,7 +114,7 @@ class WindowValues(Draft):
     def render(self) -> Record:
         handed = self.handed
         if handed is None:
-            raise ValueError("a window is rendered only once handed over (RunHealth._hand_over)")
+            raise ValueError("a window is rendered only once handed over (RunHealth.window_end)")
         context, step, consumed, skipped, end, marks = handed
         return PendingWindow(
             context, self, None, self.microbatches, step, consumed, skipped, end, (), marks
