@@ -771,9 +771,10 @@ def test_a_rate_set_by_hand_after_the_window_starts_is_the_one_recorded(
     assert [s["lr"] for s in transport.records("step")] == [0.5, 0.25, 0.125]
 
 
-def test_labels_counted_in_bulk_give_what_counting_one_by_one_gives() -> None:
-    """The sender counts a batch's CPU labels together (``prepare_batch``): grouped by shape
-    and type, shifted or not, with the ignore index; anything else is left to the render."""
+def test_labels_counted_and_scalars_read_in_bulk_give_what_one_by_one_gives() -> None:
+    """The sender counts a batch's CPU labels together and reads its CPU scalar tensors
+    together (``prepare_batch``): grouped by shape and type, shifted or not, with the ignore
+    index; anything else is left to the render."""
     from collectors.window import Counting, PendingWindow, RenderContext, WindowValues, prepare_batch
 
     generator = torch.Generator().manual_seed(3)
@@ -793,6 +794,7 @@ def test_labels_counted_in_bulk_give_what_counting_one_by_one_gives() -> None:
     ]
 
     clock = PhaseClock(WallStamps(), 8)  # one epoch offset for both renders
+    scalar_types = (torch.float32, torch.float64, torch.bfloat16)
 
     def drafts(counting: Counting) -> list[Any]:
         context = RenderContext({"rank": 0}, counting, 16, clock)
@@ -800,6 +802,9 @@ def test_labels_counted_in_bulk_give_what_counting_one_by_one_gives() -> None:
         for attempt, label in enumerate(given):
             window = WindowValues(attempt, None)
             window.microbatches, window.count = [(2.0, label, None)], 1
+            window.grad_norm = torch.tensor(0.5 + attempt, dtype=scalar_types[attempt % 3])
+            window.lr = torch.tensor(1e-3 * attempt, requires_grad=attempt == 2)  # that one: as is
+            window.loss_scale = [None, 1024.0, torch.tensor([8.0])][attempt % 3]  # not 0-dim: as is
             window.handed = (context, attempt, None, None, 100.0, ([], False))
             made.append(window)
         settled = WindowValues(99, None)  # through the ring's path: a ``PendingWindow``
@@ -818,6 +823,10 @@ def test_labels_counted_in_bulk_give_what_counting_one_by_one_gives() -> None:
             for microbatch in (draft.microbatches if isinstance(draft, WindowValues) else draft.host)
         ]
         assert [labels is None for _, labels, _ in counted] == [True] * 6 + [False, True, True]
+        windows = bulk[:-1]
+        assert all(type(window.grad_norm) is float for window in windows)
+        assert [type(window.lr) is float for window in windows] == [True, True, False, True, True, True, True]
+        assert [type(window.loss_scale) for window in windows[:3]] == [type(None), float, torch.Tensor]
         assert [draft.render() for draft in bulk] == one_by_one
         expected = [float(supervised_tokens(label.detach(), shift=counting.shift,
                                             ignore_index=counting.ignore_index)) for label in given]  # fmt: skip
