@@ -247,9 +247,12 @@ def prepare_batch(drafts: Sequence[Draft]) -> None:
     with torch or numpy calls of its own is done for the whole batch at once: counting CPU
     labels (four numpy calls a window, about 6 us on the reference CPU, against under one in
     bulk) and reading CPU scalar tensors (an ``item()`` a value, each letting the training
-    thread take the GIL in the middle). Only plain ``torch.Tensor`` values on the CPU that need
-    no grad are taken; anything else (a DTensor, whose reads may start a collective) is read one
-    by one when rendered, as before."""
+    thread take the GIL in the middle). Each value is looked at as little as possible (every
+    tensor attribute read is a call, and here, on another core than the one that made the
+    tensor, a slow one): plain ``torch.Tensor`` values are grouped by shape and dtype, and a
+    group that torch or numpy refuses as a whole (a device tensor, one that needs grad) is left
+    to be read one by one when rendered, as is anything else (a DTensor, whose reads may start
+    a collective)."""
     torch = sys.modules.get("torch")
     if torch is None:  # no tensor can be in a window then
         return
@@ -269,17 +272,16 @@ def count_labels(drafts: Sequence[Draft], torch: Any) -> None:
         else:
             continue
         for index, (_, labels, tokens) in enumerate(microbatches):
-            if (
-                tokens is None
-                and type(labels) is tensor
-                and labels.is_cpu
-                and not labels.requires_grad
-                and labels.dim() >= int(counting.shift)
-            ):
+            if tokens is None and type(labels) is tensor:
                 key = (counting, labels.shape, labels.dtype)
                 groups.setdefault(key, []).append((microbatches, index, labels))
-    for (counting, _, _), members in groups.items():
-        stacked = torch.stack([labels for _, _, labels in members]).numpy()
+    for (counting, shape, _), members in groups.items():
+        if counting.shift and not shape:
+            continue  # a scalar has nothing to shift: ``Counting.count`` says what is wrong
+        try:
+            stacked = torch.stack([labels for _, _, labels in members]).numpy()
+        except (RuntimeError, TypeError):  # on a device, or needs grad
+            continue
         targets = stacked[..., 1:] if counting.shift else stacked
         flags = (targets != counting.ignore_index).reshape(len(members), -1)
         counts = numpy.count_nonzero(flags, axis=1).tolist()
@@ -298,11 +300,23 @@ def read_scalars(drafts: Sequence[Draft], torch: Any) -> None:
             continue
         for name in SCALARS:
             value = getattr(draft, name)
-            if type(value) is tensor and value.is_cpu and not value.requires_grad and value.dim() == 0:
+            if type(value) is tensor:
                 groups.setdefault(value.dtype, []).append((draft, name, value))
-    for members in groups.values():
-        values = torch.stack([value for _, _, value in members]).tolist()
-        for (draft, name, _), value in zip(members, values, strict=True):
+    pending = list(groups.values())
+    while pending:
+        members = pending.pop()
+        try:
+            stacked = torch.stack([value for _, _, value in members])
+        except (RuntimeError, TypeError):  # shapes differ (then tried by shape), or devices
+            by_shape: dict[Any, list[tuple[WindowValues, str, Any]]] = {}
+            for member in members:
+                by_shape.setdefault(member[2].shape, []).append(member)
+            if len(by_shape) > 1:
+                pending.extend(by_shape.values())
+            continue
+        if stacked.dim() != 1 or not stacked.is_cpu:  # not scalars; read one by one
+            continue
+        for (draft, name, _), value in zip(members, stacked.detach().tolist(), strict=True):
             setattr(draft, name, float(value))
 
 

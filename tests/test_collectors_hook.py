@@ -803,7 +803,7 @@ def test_labels_counted_and_scalars_read_in_bulk_give_what_one_by_one_gives() ->
             window = WindowValues(attempt, None)
             window.microbatches, window.count = [(2.0, label, None)], 1
             window.grad_norm = torch.tensor(0.5 + attempt, dtype=scalar_types[attempt % 3])
-            window.lr = torch.tensor(1e-3 * attempt, requires_grad=attempt == 2)  # that one: as is
+            window.lr = torch.tensor(1e-3 * attempt, requires_grad=attempt == 2)
             window.loss_scale = [None, 1024.0, torch.tensor([8.0])][attempt % 3]  # not 0-dim: as is
             window.handed = (context, attempt, None, None, 100.0, ([], False))
             made.append(window)
@@ -825,7 +825,7 @@ def test_labels_counted_and_scalars_read_in_bulk_give_what_one_by_one_gives() ->
         assert [labels is None for _, labels, _ in counted] == [True] * 6 + [False, True, True]
         windows = bulk[:-1]
         assert all(type(window.grad_norm) is float for window in windows)
-        assert [type(window.lr) is float for window in windows] == [True, True, False, True, True, True, True]
+        assert all(type(window.lr) is float for window in windows)
         assert [type(window.loss_scale) for window in windows[:3]] == [type(None), float, torch.Tensor]
         assert [draft.render() for draft in bulk] == one_by_one
         expected = [float(supervised_tokens(label.detach(), shift=counting.shift,
