@@ -13,14 +13,18 @@ per step, measured two ways:
 
 - Whole step: each step's process CPU less the sender thread's share (its own thread clock);
   hooked minus bare, step by step, averaged; plus the sender thread's CPU per step, measured
-  over a stretch of steps that are all hooked (``hooked_sender_cpu``). Counts everything, also what the hook's code costs the training around it (caches it
-  evicts), but a step's CPU varies by about a millisecond, so the standard error is 10-30 us.
-  The same for the no-op calls is this method's floor on the machine: the first Python after a
-  step's kernels runs on caches they evicted, whatever it does.
-- Direct: the training thread's time in the hook's four calls and in ``optimizer.step`` (where
-  its optimizer hooks run; wall time, the slowest 1% of steps left out as preempted), less the
-  same clock readings around nothing in bare steps, plus the sender thread's CPU. Precise to a
-  microsecond or two, blind to effects on the code around the hook.
+  over a stretch of steps that are all hooked (``hooked_throughout``). Counts everything, also
+  what the hook's code costs the training around it (caches it evicts), but a step's CPU
+  varies by about a millisecond, so the standard error is 10-30 us. The same for the no-op
+  calls is this method's floor on the machine: the first Python after a step's kernels runs
+  on caches they evicted, whatever it does.
+- Direct: the training thread's time in the hook's four calls (wall time, the slowest 1% of
+  steps left out as preempted) over the stretch of hooked steps, less the same clock readings
+  around nothing in bare steps; the time its optimizer hooks add to ``optimizer.step``
+  (hooked minus bare, interleaved); plus the sender thread's CPU. Precise to a microsecond or
+  two, blind to effects on the code around the hook. The calls are also timed in the
+  interleaved steps (``hook_calls_us_per_step_interleaved``): there the hook's code runs every
+  third step, after two steps that evicted it, and costs 6-7 us more than in a hooked run.
 
     python benchmarks/hook_overhead.py [--steps 600] [--warmup 50] [--sender-steps N]
 
@@ -66,7 +70,7 @@ class BenchmarkConfig:
     layers: int = 2
     batch: int = 8
     seq_len: int = 64
-    # Hooked throughout (``hooked_sender_cpu``). The sender's work comes in bursts (a batch
+    # Hooked throughout (``hooked_throughout``). The sender's work comes in bursts (a batch
     # every 2 s, a heartbeat every 5 s, a reconnect now and then): over 500 steps (10 s) its
     # CPU per step varied by 8 us from run to run; ``main`` takes a third of ``steps``.
     sender_steps: int = 500
@@ -204,25 +208,27 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
             if index == config.warmup - 1:
                 for timings in (bare, hooked, noop):
                     timings.clear()
-        sender = hooked_sender_cpu(config, training, batches, rh, sender_cpu)
+        throughout, sender = hooked_throughout(config, training, batches, rh, sender_cpu)
         counters = rh.counters
-    return summarize(config, bare, hooked, noop, sender, counters)
+    return summarize(config, bare, hooked, noop, throughout, sender, counters)
 
 
-def hooked_sender_cpu(
+def hooked_throughout(
     config: BenchmarkConfig, training: Training, batches: list[dict[str, Any]], rh: RunHealth, sender_cpu: Any
-) -> float:
-    """The sender thread's CPU per step of a run that is hooked throughout. In the interleaved
-    run a hooked step comes every third step, so the sender's per-second part (heartbeats, a
-    POST's and a poll's fixed cost each cycle) would be charged three times over; here its
-    cycles come at a hooked run's pace, and its per-window part is the same."""
-    scratch = Timings()
+) -> tuple[Timings, float]:
+    """A stretch of a run that is hooked throughout, as a hooked training is: the hook's calls
+    as timed there, and the sender thread's CPU per step. In the interleaved run a hooked step
+    comes every third step, so the sender's per-second part (heartbeats, a POST's and a poll's
+    fixed cost each cycle) would be charged three times over, and the hook's code runs after
+    two steps that are not its own."""
+    timings = Timings()
     for index in range(config.warmup):  # the sender's queue and cycle settle to this pace
-        hooked_step(training, batches[index % len(batches)], rh, scratch)
+        hooked_step(training, batches[index % len(batches)], rh, timings)
+    timings.clear()
     started = sender_cpu()
     for index in range(config.sender_steps):
-        hooked_step(training, batches[index % len(batches)], rh, scratch)
-    return float(sender_cpu() - started) / config.sender_steps
+        hooked_step(training, batches[index % len(batches)], rh, timings)
+    return timings, float(sender_cpu() - started) / config.sender_steps
 
 
 def summarize(
@@ -230,12 +236,13 @@ def summarize(
     bare: Timings,
     hooked: Timings,
     noop: Timings,
+    throughout: Timings,
     sender: float,
     counters: dict[str, int],
 ) -> dict[str, Any]:
     # The whole-step measure. The sender runs whenever it likes, in steps of every kind: its
     # CPU is taken out of each step (its own thread clock); the hook's share per step is
-    # measured apart (``hooked_sender_cpu``). The rest of a step's process CPU is the training
+    # measured apart (``hooked_throughout``). The rest of a step's process CPU is the training
     # thread's; the mean of hooked minus bare, step by step, is what the hook adds there, and
     # its standard error says how far to trust it.
     steps = len(hooked.cpu_s)
@@ -245,11 +252,13 @@ def summarize(
     # (the first Python after a training step's kernels runs on caches the step evicted).
     floor = [n - b for n, b in zip(training_cpu(noop), training_cpu(bare), strict=True)]
     # The direct measure: the hook's own code, timed where it runs. The training thread's time
-    # in its four calls and in ``optimizer.step`` (where its optimizer hooks run), minus the
-    # same readings in bare steps (``trimmed_mean`` says why wall time), and the sender
-    # thread's CPU. It leaves out what the hook's code costs the training around it
-    # (caches it evicts), which only the whole-step difference sees, within its error.
-    calls = trimmed_mean(hooked.hook_calls_s) - trimmed_mean(bare.hook_calls_s)
+    # in its four calls in a hooked run and in ``optimizer.step`` (where its optimizer hooks
+    # run; interleaved, hooked minus bare), less the same clock readings in bare steps
+    # (``trimmed_mean`` says why wall time), and the sender thread's CPU. It leaves out what the
+    # hook's code costs the training around it (caches it evicts), which only the whole-step
+    # difference sees, within its error.
+    readings = trimmed_mean(bare.hook_calls_s)
+    calls = trimmed_mean(throughout.hook_calls_s) - readings
     optimizer_hooks = trimmed_mean(hooked.optimizer_s) - trimmed_mean(bare.optimizer_s)
     noop_calls = trimmed_mean(noop.hook_calls_s) - trimmed_mean(bare.hook_calls_s)
     return {
@@ -265,6 +274,7 @@ def summarize(
         "four_noop_calls_added_cpu_us_stderr": 1e6 * statistics.stdev(floor) / math.sqrt(steps),
         "direct": {
             "hook_calls_us_per_step": 1e6 * calls,
+            "hook_calls_us_per_step_interleaved": 1e6 * (trimmed_mean(hooked.hook_calls_s) - readings),
             "optimizer_hooks_us_per_step": 1e6 * optimizer_hooks,
             "sender_thread_us_per_step": 1e6 * sender,
             "total_us_per_step": 1e6 * (calls + optimizer_hooks + sender),

@@ -832,3 +832,28 @@ def test_labels_counted_and_scalars_read_in_bulk_give_what_one_by_one_gives() ->
                                             ignore_index=counting.ignore_index)) for label in given]  # fmt: skip
         assert [record["tokens"] for record in one_by_one[:7]] == expected
         assert one_by_one[7]["tokens"] == expected[0] + 5
+
+
+def test_a_directive_for_this_rank_alone_is_acted_on_at_the_next_window_not_the_next_agreement(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """Ranks agree on directives every ``agree_every`` windows; one for this rank alone (a
+    canary re-run: no step to act at) waits for no agreement, only for the next window."""
+    rh = attach(tmp_path, transport)
+    acted: list[int] = []
+
+    def window() -> None:
+        rh.window_start()
+        rh.loss(1.0, tokens=4)
+        rh.window_end()
+
+    window()  # attempt 1; the next agreement is at attempt 4
+    rh._apply_directives([{"id": 7, "kind": "bogus", "act_at_step": None}])  # as the sender would
+    for _ in range(2):
+        window()
+        acted.append(len([a for a in rh._armory.local if a.id == 7]))
+    rh.close()
+    assert acted == [0, 0]  # gone from the local list at the very next window
+    (ack,) = transport.records("directive_ack")
+    assert (ack["directive_id"], ack["status"], ack["step"]) == (7, "failed", 1)
+    assert "unknown directive kind" in ack["detail"]["reason"]
