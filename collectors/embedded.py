@@ -51,7 +51,8 @@ class EmbeddedConfig:
     2-5 s on an idle machine, much more on a node busy loading a model.
     ``stop_timeout_s``: 10 s between SIGTERM and SIGKILL.
     ``ranks_timeout_s``: 60 s at close for the node's other ranks to finish sending; a rank that
-    died keeps its records in its spool for the next start.
+    died keeps its records in its spool for the next start. A failed close does not wait
+    (``RunHealth._release_service``).
     """
 
     db: str = "runhealth.db"

@@ -34,6 +34,10 @@ and what it logs is a rounded mean of per-rank means, not this rank's token-weig
 - Directives: after each window, ``rh.should_stop()``; a rollback stops the Trainer there
   (``control.should_training_stop``), on every rank at the same step, and ``rh.directive`` says
   what to restore.
+- An exception out of ``train()``: the Trainer calls no callback (no ``on_train_end``), so the
+  hook is closed when the interpreter exits, its queued windows delivered and the incarnation
+  finished as failed (``RunHealth._close_at_exit``). A process that lives on after the
+  exception (a notebook) closes it itself: ``callback.rh.close("failed")``.
 """
 
 from __future__ import annotations

@@ -29,9 +29,11 @@ public method catches its own exceptions (``guard.py``): the training loop never
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -238,6 +240,8 @@ class RunHealth:
 
     def _after_attach(self) -> None:
         self._sender.start()
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)
         if self.identity.rank == 0:
             self._sender.submit(self._run_start())
         for record, is_event in self._early:
@@ -254,9 +258,25 @@ class RunHealth:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         if self._active:
             self._close(status)
         self._active = False
+
+    def _close_at_exit(self) -> None:
+        """The interpreter is exiting with the hook still open: a script that attached with
+        ``start()`` and never closed, or an exception that skipped the framework's end of
+        training (the transformers ``Trainer`` calls no callback when ``train()`` raises). The
+        sender thread is a daemon and dies with the interpreter: without this, the windows
+        still queued (up to a flush interval's worth, the last ones before a crash) and the
+        run's finish would be lost. An uncaught exception finishes the incarnation as
+        "failed", any other exit as "completed" (the exit code is not visible from here). A
+        forked child inherits the handler but not the sender thread, and must not stop the
+        parent's embedded service: there it does nothing."""
+        if os.getpid() != self._pid:
+            return
+        uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        self.close("failed" if uncaught is not None else "completed")
 
     @guarded
     def _close(self, status: str) -> None:
@@ -282,16 +302,22 @@ class RunHealth:
             handle.remove()
         self._consensus.close()
         self._sender.close()
-        self._release_service()
+        self._release_service(wait_for_peers=status != "failed")
 
-    def _release_service(self) -> None:
+    def _release_service(self, *, wait_for_peers: bool) -> None:
+        """Mark this rank done; the rank running the node's service stops it once the node's
+        ranks are done. After a failure it does not wait for them: peers of a failed rank are
+        usually blocked in a collective until the launcher ends them, and this process's exit
+        is what tells the launcher. What they send after the stop is spooled and replayed by
+        the next start."""
         destination = self._destination
         if destination is None:
             return
         if destination.endpoint is not None:
             mark_done(destination.endpoint, self.identity.rank)
         if destination.service is not None:
-            destination.service.stop(destination.endpoint, destination.node_ranks)
+            ranks = destination.node_ranks if wait_for_peers else 1
+            destination.service.stop(destination.endpoint, ranks)
 
     def __enter__(self) -> RunHealth:
         return self.start()

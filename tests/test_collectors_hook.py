@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 
@@ -24,6 +24,7 @@ from collectors import (
     dump_stacks,
     supervised_tokens,
 )
+from collectors.attach import Destination
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
 from collectors.markers import WallMarker
@@ -857,3 +858,26 @@ def test_a_directive_for_this_rank_alone_is_acted_on_at_the_next_window_not_the_
     (ack,) = transport.records("directive_ack")
     assert (ack["directive_id"], ack["status"], ack["step"]) == (7, "failed", 1)
     assert "unknown directive kind" in ack["detail"]["reason"]
+
+
+class StoppedService:
+    """Notes how the hook stops the node's embedded service (how many ranks it waits for)."""
+
+    def __init__(self) -> None:
+        self.waited_for: list[int] = []
+
+    def stop(self, endpoint: Any, ranks: int) -> None:
+        self.waited_for.append(ranks)
+
+
+@pytest.mark.parametrize(("status", "waited_for"), [("completed", 4), ("failed", 1)])
+def test_the_service_rank_waits_for_its_node_peers_except_after_a_failure(
+    tmp_path: Path, transport: RecordingTransport, status: Literal["completed", "failed"], waited_for: int
+) -> None:
+    """After a failure the peers are likely blocked in a collective: waiting the ranks timeout
+    (60 s) for them would only delay the exit that tells the launcher."""
+    hook = attach(tmp_path, transport)
+    service = StoppedService()
+    hook._destination = Destination(None, None, service=service, node_ranks=4)  # type: ignore[arg-type]
+    hook.close(status)
+    assert service.waited_for == [waited_for]

@@ -7,6 +7,8 @@ import dataclasses
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from collectors import RunHealth, RunHealthConfig
 from collectors.counters import Counters
@@ -489,3 +492,72 @@ def test_a_batch_is_prepared_once_before_its_drafts_render_and_a_failed_preparat
         counted = counters.snapshot()
         assert counted.get("hook_errors", 0) == (2 if fails else 0)
         assert counted.get("dropped", 0) == 0
+
+
+# A trainer that never closes its hook: the interpreter's exit closes it (``_close_at_exit``).
+UNCLOSED_TRAINER = """
+import os, sys, torch
+from collectors import RunHealth
+torch.set_num_threads(1)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+rh = RunHealth(model=model, optimizer=optimizer).start()  # no ``with``, no close()
+for index in range(int(sys.argv[2])):
+    rh.window_start(sample_ids=[index])
+    loss = model(torch.randn(2, 4)).pow(2).mean()
+    rh.loss(loss, tokens=2)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    rh.window_end()
+if sys.argv[1] == "raise":
+    raise RuntimeError("the training crashed")
+if sys.argv[1] == "fork":  # a child that exits normally runs the inherited atexit handlers
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+"""
+
+
+def finish_statuses(db: Path, run: str) -> list[str | None]:
+    query = "SELECT i.finish_status FROM incarnations i JOIN runs r ON r.id = i.run_id WHERE r.name = :run"
+    engine = sa.create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as connection:
+            return [row[0] for row in connection.execute(sa.text(query), {"run": run})]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ending", "destination", "status"),
+    [("raise", "url", "failed"), ("return", "embedded", "completed"), ("fork", "embedded", "completed")],
+)
+def test_a_hook_left_open_is_closed_at_exit_and_its_last_windows_land(
+    serve: ServeProcess, tmp_path: Path, ending: str, destination: str, status: str
+) -> None:
+    """The sender thread dies with the interpreter: before ``_close_at_exit`` such a process
+    stored few of its 40 windows (the rest sat in the queue, under the 2 s flush interval). A
+    forked child's exit leaves the parent's hook and embedded service alone."""
+    run = f"unclosed-{ending}"
+    environ = {"RUNHEALTH_RUN": run, "RUNHEALTH_SPOOL_DIR": str(tmp_path / "spool")}
+    if destination == "url":
+        environ |= {"RUNHEALTH_URL": serve.url, "RUNHEALTH_TOKEN": serve.create_run(run)}
+        db = serve.db
+    else:
+        db = tmp_path / "embedded.db"
+        environ["RUNHEALTH_DB"] = str(db)
+    script = tmp_path / "trainer.py"
+    script.write_text(UNCLOSED_TRAINER)
+    child = subprocess.run(
+        [sys.executable, str(script), ending, "40"],
+        env=child_environ(TMPDIR=str(tmp_path), **environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == (1 if ending == "raise" else 0), child.stderr[-3000:]
+    assert [row["attempt"] for row in step_rows(db, run)] == list(range(1, 41))
+    assert finish_statuses(db, run) == [status]
