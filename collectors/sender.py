@@ -133,8 +133,9 @@ class Sender:
         if len(queue) >= self._batch_records:
             self._wake.set()
 
-    def close(self) -> None:
-        """Deliver what is left within the close timeout; spool the rest; stop the thread."""
+    def close(self) -> bool:
+        """Deliver what is left within the close timeout; spool the rest; stop the thread.
+        True when nothing is left undelivered (nothing queued, nothing spooled)."""
         self._closing.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -143,9 +144,11 @@ class Sender:
             self._final_flush()
         if self._thread.is_alive():  # stuck past its timeout: leave its files to it
             log.error("runhealth sender did not finish within its close timeout")
-            return
+            return False
+        delivered = not self._queue and not self._spool.backlog()
         self._transport.close()
         self._spool.close()
+        return delivered
 
     # The thread.
 
@@ -303,7 +306,7 @@ class Sender:
 
     def _mark_down(self, reason: str) -> None:
         self._down_until = self._clock() + self._backoff
-        self._log_once("down", f"the service is unavailable ({reason}); spooling to disk")
+        self._log_once("down", f"the service does not take records ({reason}); spooling to disk")
         self._backoff = min(self._backoff * 2, self._config.retry_max_s)
 
     def _mark_up(self) -> None:

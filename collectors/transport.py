@@ -25,6 +25,10 @@ from collectors.http11 import HttpConnection
 from collectors.wire import Record, encode_batch
 
 RETRY_STATUSES = frozenset({408, 429})
+# The service refuses the sender (a wrong token, a run it does not know), not the batch: every
+# batch would be refused alike, so they are kept (spooled) until that is fixed, rather than
+# each one dead-lettered as invalid. A trainer restarted with the right token replays them.
+REFUSED_STATUSES = frozenset({401, 403, 404})
 # How a kept-alive connection the server closed while idle fails when it is next used.
 STALE_CONNECTION = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
@@ -170,7 +174,7 @@ def classify(status: int, body: bytes) -> Delivery:
     document = json_body(body)
     message = document.get("message") or body[:500].decode(errors="replace")
     reason = f"{status} {document.get('error', '')}: {message}"
-    if status in RETRY_STATUSES or status >= 500:
+    if status in RETRY_STATUSES or status in REFUSED_STATUSES or status >= 500:
         return Delivery(Outcome.RETRY, status, reason)
     return Delivery(Outcome.REJECTED, status, reason, named_records(document))
 

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -41,6 +42,8 @@ operators_app = typer.Typer(help="Operators who approve or reject proposals.", n
 app.add_typer(operators_app, name="operators")
 audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
+spool_app = typer.Typer(help="What trainers left spooled on disk: list it, send it.", no_args_is_help=True)
+app.add_typer(spool_app, name="spool")
 
 # Tables keep their width when piped (to a file, a pager, a log) instead of folding to 80 columns.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -717,6 +720,129 @@ def audit_verify(db: DbOption = None, as_json: JsonOption = False) -> None:
     else:
         typer.echo(f"audit log BROKEN at {checked.problem}", err=True)
     if not checked.ok:
+        raise SystemExit(1)
+
+
+SpoolDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir", help="The trainers' spool directory (default: $RUNHEALTH_SPOOL_DIR, else ./runhealth-spool)."
+    ),
+]
+
+
+def spool_directory(directory: Path | None) -> Path:
+    chosen = directory or Path(os.environ.get("RUNHEALTH_SPOOL_DIR") or "runhealth-spool")
+    if not chosen.is_dir():
+        raise UserError(f"no spool directory at {chosen}")
+    return chosen
+
+
+@spool_app.command("list")
+def spool_list(directory: SpoolDirOption = None, as_json: JsonOption = False) -> None:
+    """List what trainers left spooled: undelivered batches and dead letters.
+
+    Per run and rank file; a file a live trainer holds is marked (it replays its own), and dead
+    letters (batches the service called invalid) come with the service's reasons."""
+    from collectors.leftovers import list_spool
+
+    where = spool_directory(directory)
+    entries = list_spool(where)
+    if as_json:
+        print_json({"directory": str(where), "files": [asdict(entry) for entry in entries]})
+        return
+    if not entries:
+        typer.echo(f"nothing spooled under {where}")
+        return
+    rows = [
+        [
+            e.run_dir,
+            e.file,
+            e.kind,
+            e.batches,
+            e.records,
+            e.unreadable,
+            "yes" if e.held else "",
+            "; ".join(e.reasons),
+        ]
+        for e in entries
+    ]
+    columns = ["run", "file", "kind", "batches", "records", "unreadable", "held", "reasons"]
+    out.print(table(f"Spool {where}", columns, rows))
+
+
+@spool_app.command("send")
+def spool_send(
+    run: Annotated[
+        str | None, typer.Option(help="The run (default: the only one with something to send).")
+    ] = None,
+    directory: SpoolDirOption = None,
+    url: Annotated[str | None, typer.Option(help="The service (default: $RUNHEALTH_URL).")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="The run's ingest token, or the service's admin token (default: $RUNHEALTH_TOKEN)."
+        ),
+    ] = None,
+    dead_letters: Annotated[
+        bool,
+        typer.Option("--dead-letters", help="Also resend dead-lettered batches (once the cause is fixed)."),
+    ] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to keep trying while the service is down.")] = 30.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Send a run's spooled records to the service.
+
+    For when no trainer will start again to replay them (the next trainer of the run would).
+    Each record is stored once by its key, so sending again is safe. Exit status 1 when
+    something is still spooled."""
+    import socket
+
+    from collectors.leftovers import NotTaken, list_spool, send_spool
+    from collectors.transport import HttpTransport, TransportConfig
+
+    where = spool_directory(directory)
+    url = url or os.environ.get("RUNHEALTH_URL")
+    token = token or os.environ.get("RUNHEALTH_TOKEN")
+    if not url or not token:
+        raise UserError(
+            "spool send needs the service's --url and a --token (or RUNHEALTH_URL, RUNHEALTH_TOKEN)"
+        )
+    if timeout <= 0:
+        raise UserError(f"--timeout must be > 0, got {timeout}")
+    if run is None:
+        kinds = ("spool", "dead") if dead_letters else ("spool",)
+        candidates = sorted({e.run_dir for e in list_spool(where) if e.kind in kinds and not e.held})
+        if not candidates:
+            typer.echo(f"nothing to send under {where}")
+            return
+        if len(candidates) > 1:
+            raise UserError(
+                f"several runs have spooled records ({', '.join(candidates)}): name one with --run"
+            )
+        run = candidates[0]
+    try:
+        transport = HttpTransport(TransportConfig(url=url, token=token, run=run))
+        name = f"spool-send.{socket.gethostname()}.{os.getpid()}"
+        result = send_spool(where, run, transport, name=name, timeout_s=timeout, dead_letters=dead_letters)
+    except ValueError as exc:  # the URL
+        raise UserError(str(exc)) from exc
+    except NotTaken as exc:
+        typer.echo(f"runhealth: the service did not take records ({exc}); nothing was sent", err=True)
+        raise SystemExit(1) from None
+    if as_json:
+        print_json(asdict(result))
+    else:
+        typer.echo(
+            f"run {result.run}: {result.replayed} records delivered, {result.dead_lettered} dead-lettered, "
+            f"{result.unreadable} unreadable lines skipped, {result.redriven} dead-lettered records resent"
+        )
+        if result.held:
+            typer.echo(f"left to live trainers: {', '.join(result.held)}")
+    if not result.complete:
+        typer.echo(
+            "runhealth: records are still spooled (the service stopped taking them); send again", err=True
+        )
         raise SystemExit(1)
 
 

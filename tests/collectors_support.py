@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,18 @@ class ServeProcess:
     def log_tail(self) -> str:
         path = self.root / "serve.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+@contextmanager
+def serving(root: Path, **environ: str) -> Iterator[ServeProcess]:
+    """A ``runhealth serve`` over ``root/store.db`` for the block (a module's tests share one,
+    each with its own run)."""
+    process = ServeProcess(root, root / "store.db", **environ)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 class RecordingTransport:

@@ -397,6 +397,13 @@ def run_cli(argv: list[str]) -> int:
     return 0
 
 
+def cli_result(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``runhealth ARGS`` in this process: its exit status, stdout and stderr."""
+    code = run_cli(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def post(service: Service, run: RunHandle, records: list[dict[str, Any]]) -> None:
     """Records into a service in this process, through the same validation as the API."""
     service.ingest(run.name, run.id, BatchIn.model_validate_json(json.dumps({"records": records})).records)

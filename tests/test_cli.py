@@ -9,23 +9,13 @@ import polars as pl
 import pytest
 
 from monitor import migrate, queries
-from monitor.cli import main
 from monitor.config import ServiceConfig
 from monitor.db import create_store_engine, resolve_url
 from monitor.schemas import BatchIn
 from monitor.service import Service
+from tests.support import cli_result
 
 CURVES = Path(__file__).parent / "data" / "real-curves"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def seed_store(db: Path) -> None:
@@ -68,50 +58,50 @@ def store(tmp_path: Path) -> Path:
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "--help")
+    code, out, _ = cli_result(capsys, "--help")
     assert code == 0
     for command in ("serve", "db", "runs", "incidents", "incident", "backtest", "export", "demo"):
         assert command in out
 
 
 def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "incidents", "--db", str(store), "--json")
+    code, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json")
     assert code == 0
     incidents = json.loads(out)["incidents"]
     assert {(i["kind"], i["first_step"]) for i in incidents} == {("spike", 70), ("nonfinite", 75)}
-    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
     assert [i["first_step"] for i in json.loads(out)["incidents"]] == [75]
-    _, out, _ = cli(
+    _, out, _ = cli_result(
         capsys, "incidents", "--db", str(store), "--json", "--severity", "critical", "--run", "other"
     )
     assert json.loads(out)["incidents"] == []
-    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--since", "1h")
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--since", "1h")
     assert len(json.loads(out)["incidents"]) == 2
-    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--until", "2000-01-01")
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--until", "2000-01-01")
     assert json.loads(out)["incidents"] == []
 
 
 def test_incident_shows_its_evidence_with_nan_encoded(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _, out, _ = cli(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
     incident_id = json.loads(out)["incidents"][0]["id"]
-    code, out, _ = cli(capsys, "incident", str(incident_id), "--db", str(store), "--json")
+    code, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--json")
     assert code == 0
     assert '"value": "NaN"' in out
     shown = json.loads(out)
     assert shown["evidence"][0]["signal"] == "loss"
-    code, out, _ = cli(capsys, "incident", str(incident_id), "--db", str(store))
+    code, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store))
     assert code == 0 and "nonfinite" in out
 
 
 def test_runs_lists_and_creates(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "runs", "--db", str(store), "--json")
+    code, out, _ = cli_result(capsys, "runs", "--db", str(store), "--json")
     (run,) = json.loads(out)["runs"]
     assert (run["name"], run["latest_step"], run["open_incidents"]) == ("cli-run", 80, 2)
-    code, out, _ = cli(capsys, "runs", "create", "second", "--db", str(store), "--json")
+    code, out, _ = cli_result(capsys, "runs", "create", "second", "--db", str(store), "--json")
     assert code == 0 and json.loads(out)["token"].startswith("rh_run_")
-    code, _, err = cli(capsys, "runs", "create", "second", "--db", str(store))
+    code, _, err = cli_result(capsys, "runs", "create", "second", "--db", str(store))
     assert code == 2 and err.count("\n") == 1 and "already exists" in err
 
 
@@ -120,18 +110,18 @@ def test_export_steps_and_incidents(
     store: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     steps_file = tmp_path / f"steps{suffix}"
-    code, out, _ = cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
+    code, out, _ = cli_result(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
     assert code == 0 and "wrote 80 steps rows" in out
     frame = pl.read_parquet(steps_file) if suffix == ".parquet" else pl.read_csv(steps_file)
     assert frame.height == 80
     nan_row = frame.filter(pl.col("step") == 75)
     assert math.isnan(nan_row["loss"][0])
     history = tmp_path / f"incidents{suffix}"
-    code, out, _ = cli(
+    code, out, _ = cli_result(
         capsys, "export", "cli-run", "--what", "incidents", "--out", str(history), "--db", str(store)
     )
     assert code == 0 and "wrote 2 incidents rows" in out
-    code, out, _ = cli(
+    code, out, _ = cli_result(
         capsys,
         "export",
         "cli-run",
@@ -149,8 +139,8 @@ def test_exported_steps_backtest_to_the_same_incidents(
     store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     steps_file = tmp_path / "steps.csv"
-    cli(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
-    code, out, _ = cli(capsys, "backtest", str(steps_file), "--json")
+    cli_result(capsys, "export", "cli-run", "--out", str(steps_file), "--db", str(store))
+    code, out, _ = cli_result(capsys, "backtest", str(steps_file), "--json")
     assert code == 0
     assert {(i["kind"], i["first_step"]) for i in json.loads(out)["incidents"]} == {
         ("spike", 70),
@@ -159,7 +149,7 @@ def test_exported_steps_backtest_to_the_same_incidents(
 
 
 def test_backtest_json_document_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(
+    code, out, _ = cli_result(
         capsys, "backtest", str(CURVES / "bigscience_chronicle_excerpts.csv"), "--json", "--run", "tr8-104B"
     )
     assert code == 0
@@ -195,12 +185,12 @@ def test_user_errors_are_one_line_and_exit_2(
     store: Path, tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = [a.format(db=store, fresh=tmp_path / "fresh.db") for a in args]
-    code, _out, err = cli(capsys, *args)
+    code, _out, err = cli_result(capsys, *args)
     assert code == 2
     assert err.startswith("runhealth: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
 
 
 def test_usage_errors_exit_nonzero_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "incidents", "--no-such-flag")
+    code, _, err = cli_result(capsys, "incidents", "--no-such-flag")
     assert code != 0 and "Traceback" not in err

@@ -24,7 +24,7 @@ from tests.adapters_support import (
     stored_steps,
     wait_until_armed,
 )
-from tests.collectors_support import ServeProcess
+from tests.collectors_support import ServeProcess, serving
 from tests.support import require_module
 
 require_module("torch")
@@ -52,13 +52,8 @@ MAX_GRAD_NORM = 0.5  # below every norm of this model: every step clips
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    root = tmp_path_factory.mktemp("serve")
-    process = ServeProcess(root, root / "store.db")
-    process.start()
-    try:
+    with serving(tmp_path_factory.mktemp("serve")) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(autouse=True)

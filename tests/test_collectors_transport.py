@@ -26,7 +26,7 @@ from collectors.sender import Sender, SenderConfig
 from collectors.spool import Spool, SpoolConfig
 from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
 from collectors.wire import Draft
-from tests.collectors_support import ServeProcess, child_environ, step_rows, wait_until
+from tests.collectors_support import ServeProcess, child_environ, serving, step_rows, wait_until
 from tests.support import free_port, require_module
 
 
@@ -58,13 +58,8 @@ def make_sender(
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """One service for the tests that do not stop it; each test uses its own run."""
-    root = tmp_path_factory.mktemp("serve")
-    process = ServeProcess(root, root / "store.db", RUNHEALTH_MAX_BATCH_RECORDS="20")
-    process.start()
-    try:
+    with serving(tmp_path_factory.mktemp("serve"), RUNHEALTH_MAX_BATCH_RECORDS="20") as process:
         yield process
-    finally:
-        process.stop()
 
 
 def attempts(db: Path) -> list[int]:
@@ -215,7 +210,9 @@ def test_what_each_answer_means_for_a_batch() -> None:
     assert answer(200).outcome is Outcome.DELIVERED
     for status in (408, 429, 500, 502, 503):
         assert answer(status).outcome is Outcome.RETRY
-    for status in (400, 401, 403, 404, 413):
+    for status in (401, 403, 404):  # the sender refused (token, run), not the batch: kept
+        assert answer(status).outcome is Outcome.RETRY
+    for status in (400, 413):
         assert answer(status).outcome is Outcome.REJECTED
     invalid = answer(422, {"problems": [{"index": 3}, {"index": 1}, {"index": 3}, {"index": None}]})
     assert invalid.outcome is Outcome.REJECTED and invalid.bad_indexes == (1, 3)
@@ -561,3 +558,27 @@ def test_a_hook_left_open_is_closed_at_exit_and_its_last_windows_land(
     assert child.returncode == (1 if ending == "raise" else 0), child.stderr[-3000:]
     assert [row["attempt"] for row in step_rows(db, run)] == list(range(1, 41))
     assert finish_statuses(db, run) == [status]
+
+
+@pytest.mark.slow
+def test_a_wrong_token_spools_the_records_for_a_restart_with_the_right_one(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    """403 is about the sender, not the batch: dead-lettering would strand every record of the
+    run; spooled, they reach the store once a trainer starts with the right token."""
+    token = serve.create_run("wrong-token")
+    first = Counters()
+    misconfigured = make_sender(serve, "not-the-token", "wrong-token", tmp_path, first, name="n.rank0.inc1",
+                                close_timeout_s=0.3)  # fmt: skip
+    misconfigured.start()
+    for attempt in range(1, 11):
+        misconfigured.submit(step(attempt))
+    assert not misconfigured.close()
+    assert first.snapshot()["spooled"] == 10 and first.snapshot()["dead_lettered"] == 0
+    assert not list((tmp_path / "spool").rglob("*.dead.jsonl"))
+    second = Counters()
+    restarted = make_sender(serve, token, "wrong-token", tmp_path, second, name="n.rank0.inc2")
+    restarted.start()
+    assert restarted.close()
+    assert second.snapshot()["replayed"] == 10
+    assert [row["attempt"] for row in rows_of(serve, "wrong-token")] == list(range(1, 11))

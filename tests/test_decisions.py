@@ -13,7 +13,6 @@ from sqlalchemy.engine import Engine
 
 from monitor import audit, models, queries
 from monitor.actions import ActionConfig
-from monitor.cli import main
 from monitor.config import ServiceConfig
 from monitor.decisions import DecisionConfig, list_proposals
 from monitor.operators import add_operator, revoke_operator
@@ -21,7 +20,16 @@ from monitor.server import BackgroundServer
 from monitor.service import Service
 from policies.proposals import ProposalConfig
 from policies.retries import RetryConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, checkpoint, post, spiky_windows
+from tests.support import (
+    ADMIN_TOKEN,
+    INCARNATION,
+    RunHandle,
+    both_backends,
+    checkpoint,
+    cli_result,
+    post,
+    spiky_windows,
+)
 
 NEW_INCARNATION = "00000000-0000-4000-8000-0000000000bb"
 
@@ -68,16 +76,6 @@ def operator(store: Engine, name: str) -> str:
         return add_operator(connection, name, actor="tests", now=1.0)
 
 
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_an_operator_approves_from_the_cli_and_every_rank_gets_one_step(
     service: Service,
     store: Engine,
@@ -88,7 +86,7 @@ def test_an_operator_approves_from_the_cli_and_every_rank_gets_one_step(
 ) -> None:
     proposal = spiked_run(service, run, tmp_path)
     token = operator(store, "alice")
-    code, out, _ = cli(
+    code, out, _ = cli_result(
         capsys,
         "approve",
         str(proposal["id"]),
@@ -126,12 +124,14 @@ def test_unknown_and_revoked_tokens_cannot_approve(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     proposal = spiked_run(service, run, tmp_path)
-    code, _, err = cli(capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", "rh_op_nobody")
+    code, _, err = cli_result(
+        capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", "rh_op_nobody"
+    )
     assert code == 2 and "operator token" in err
     token = operator(store, "bob")
     with store.begin() as connection:
         revoke_operator(connection, "bob", actor="tests", now=2.0, reason="left the team")
-    code, _, err = cli(capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", token)
+    code, _, err = cli_result(capsys, "approve", str(proposal["id"]), "--url", served.url, "--token", token)
     assert code == 2 and "refused" in err
     with store.connect() as connection:
         assert list_proposals(connection, run.name)[0]["status"] == "pending"
@@ -297,7 +297,7 @@ def test_a_replay_that_blames_the_data_reproposes_skipping_the_batch(
         "json.dump({'reproduced': True, 'skip_cleared': True, 'batches': spec['suspect_batches']}, open(sys.argv[2], 'w'))\n"
     )
     db = str(store.url.database)
-    code, out, err = cli(
+    code, out, err = cli_result(
         capsys,
         "replay",
         str(proposal["incident"]),
@@ -342,7 +342,7 @@ def test_audit_verify_catches_an_edit_a_deletion_and_a_swap(
     service.decisions.approve(
         proposal["id"], "alice", "go"
     )  # four entries: opened, proposed, approved, directive
-    code, out, _ = cli(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
+    code, out, _ = cli_result(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
     assert code == 0 and json.loads(out)["entries"] == 4
     if "CASE" in statement:  # prev_hash is unique: swap through a free value
         tamper(store, "UPDATE audit_log SET seq = 1000 WHERE seq = 2")
@@ -350,7 +350,7 @@ def test_audit_verify_catches_an_edit_a_deletion_and_a_swap(
         tamper(store, "UPDATE audit_log SET seq = 3 WHERE seq = 1000")
     else:
         tamper(store, statement)
-    code, out, _ = cli(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
+    code, out, _ = cli_result(capsys, "audit", "verify", "--db", str(store.url.database), "--json")
     document = json.loads(out)
     assert code == 1 and document["ok"] is False and document["broken_seq"] == broken
 
