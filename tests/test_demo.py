@@ -37,6 +37,10 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     assert hardware["quarantine"]["node"] == "node-2" and hardware["status"] == "pending"
     assert result["audit_ok"]
     assert result["seconds"] < 120
+    outage = result["outage"]  # the service was killed mid-run and came back
+    assert outage["killed_at_step"] >= 75 and outage["spooled"] > 0
+    assert outage["replayed"] == outage["spooled"]
+    assert outage["lost"] == outage["unexpected"] == 0 and outage["stored"] == outage["windows"] > 4 * 150
 
 
 def test_the_demo_rejects_a_corrupt_step_inside_warm_up(capsys: pytest.CaptureFixture[str]) -> None:

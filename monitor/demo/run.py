@@ -11,6 +11,10 @@ by runhealth, while two things go wrong.
    checkpoint) no longer matches its peers', on the immediate re-run too: a persistent
    mismatch, and a proposal to quarantine its node.
 
+Before either, the service itself crashes (SIGKILL) halfway to the bad batch and comes back
+on the same port two seconds later: the ranks train on, spool what they cannot send, and
+replay it; at the end every window of every rank is in the store, once.
+
 The service runs on loopback over an SQLite file, as the embedded default does; the trainers
 record through the RunHealth hook; the operator's steps are the real CLI commands.
 """
@@ -56,7 +60,14 @@ class DemoConfig:
     """The update from which rank 2's device fails its canaries."""
     checkpoint_every: int = 25
     after_rollback: int = 40
+    outage_s: float = 2.0
+    """How long the service stays down after it is killed, at ``outage_step``."""
     timeout_s: float = 600.0
+
+    @property
+    def outage_step(self) -> int:
+        """Halfway to the bad batch: past the warm-up's first checkpoints, well before the spike."""
+        return self.corrupt_step // 2
 
     def __post_init__(self) -> None:
         if self.world < 4:
@@ -88,6 +99,7 @@ class Demo:
         self.admin = secrets.token_urlsafe(24)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[IO[bytes]] = []
+        self.serves = 0  # ``runhealth serve`` starts (the outage restarts it)
 
     def _log(self, name: str) -> IO[bytes]:
         """A log file a child writes to; closed by ``stop``."""
@@ -104,29 +116,8 @@ class Demo:
     def start_service(self) -> str:
         self.engine = create_store_engine(resolve_url(str(self.db), {}))
         migrate.upgrade(self.engine)
-        port_file = self.workdir / "port"
-        command = [
-            sys.executable,
-            "-m",
-            "monitor",
-            "serve",
-            "--db",
-            str(self.db),
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ]
-        log = self._log("serve.log")
-        self.service = subprocess.Popen(
-            command, env=_environ(RUNHEALTH_ADMIN_TOKEN=self.admin), stdout=log, stderr=log
-        )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.service.poll() is not None or time.monotonic() > deadline:
-                raise DemoError(f"runhealth serve did not start: see {self.workdir / 'serve.log'}")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        self.port = self._serve(0)
+        self.url = f"http://127.0.0.1:{self.port}"
         response = httpx.post(
             f"{self.url}/v1/runs",
             json={"name": self.run},
@@ -140,6 +131,89 @@ class Demo:
                 connection, f"oncall-{self.run}", actor="runhealth demo", now=time.time()
             )
         return self.url
+
+    def _serve(self, port: int) -> int:
+        """Start ``runhealth serve`` on ``port`` (0: a free one); the port it bound."""
+        self.serves += 1
+        port_file = self.workdir / f"port-{self.serves}"
+        command = [
+            sys.executable,
+            "-m",
+            "monitor",
+            "serve",
+            "--db",
+            str(self.db),
+            "--port",
+            str(port),
+            "--port-file",
+            str(port_file),
+        ]
+        log = self._log("serve.log")
+        self.service = subprocess.Popen(
+            command, env=_environ(RUNHEALTH_ADMIN_TOKEN=self.admin), stdout=log, stderr=log
+        )
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.service.poll() is not None or time.monotonic() > deadline:
+                raise DemoError(f"runhealth serve did not start: see {self.workdir / 'serve.log'}")
+            time.sleep(0.05)
+        return int(port_file.read_text().strip())
+
+    def outage(self) -> dict[str, Any]:
+        """The service crashes once the ranks pass ``outage_step`` and is back on the same port
+        ``outage_s`` later; the ranks never stop training."""
+        step = self.config.outage_step
+        self.wait(f"step {step}", lambda: self._stored_step() >= step)
+        self.service.kill()  # SIGKILL: no shutdown, requests in flight cut off
+        self.service.wait(15)
+        killed, at_step = time.monotonic(), self._stored_step()
+        time.sleep(self.config.outage_s)
+        self._serve(self.port)
+        down_s = time.monotonic() - killed
+        self.say(
+            f"[bold]outage[/bold]: runhealth serve killed (SIGKILL) at step {at_step}, serving again "
+            f"{down_s:.1f} s later; the ranks trained on and spooled what they could not send"
+        )
+        return {"killed_at_step": at_step, "down_s": down_s}
+
+    def _stored_step(self) -> int:
+        with self.engine.connect() as connection:
+            found = connection.execute(
+                sa.text(
+                    "SELECT MAX(s.step) FROM step_records s JOIN runs r ON r.id = s.run_id WHERE r.name = :run"
+                ),
+                {"run": self.run},
+            ).scalar()
+        return int(found or 0)
+
+    def stored_windows(self, results: list[dict[str, Any]]) -> dict[str, int]:
+        """Every rank's windows against the store: stored once each (the store's key), and
+        how many of the attempts a rank made are missing from it, or stored though not made."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                sa.text(
+                    "SELECT s.incarnation, s.rank, s.attempt FROM step_records s "
+                    "JOIN runs r ON r.id = s.run_id WHERE r.name = :run"
+                ),
+                {"run": self.run},
+            ).all()
+        stored = {(row.incarnation, row.rank, row.attempt) for row in rows}
+        ended = [
+            (result["rank"], incarnation["incarnation"], int(incarnation["attempts"]))
+            for result in results
+            for incarnation in [*result["rollbacks"], {**result, "attempts": result["progress"]["attempt"]}]
+        ]
+        made = {
+            (incarnation, rank, attempt)
+            for rank, incarnation, attempts in ended
+            for attempt in range(1, attempts + 1)
+        }
+        return {
+            "windows": len(made),
+            "stored": len(rows),
+            "lost": len(made - stored),
+            "unexpected": len(stored - made),
+        }
 
     def launch(self) -> None:
         corrupt = f"1:{self.config.corrupt_step - 1}"
@@ -320,17 +394,22 @@ def run_demo(config: DemoConfig, console: Console, quiet: bool = False) -> dict[
             f"from update {config.faulty_from} on."
         )
         demo.launch()
+        outage = demo.outage()
         recovered = demo.recover()
         results = demo.finish()
         # Canary rounds and the resume check land within a moment of the ranks' last records.
         demo.wait("the canary's verdict", lambda: any(p["verdict"] == "hardware" for p in demo.proposals()))
-        return report(demo, recovered, results, time.time() - started)
+        return report(demo, recovered, results, outage, time.time() - started)
     finally:
         demo.stop()
 
 
 def report(
-    demo: Demo, recovered: dict[str, Any], results: list[dict[str, Any]], seconds: float
+    demo: Demo,
+    recovered: dict[str, Any],
+    results: list[dict[str, Any]],
+    outage: dict[str, Any],
+    seconds: float,
 ) -> dict[str, Any]:
     with demo.engine.connect() as connection:
         incidents = queries.list_incidents(connection, queries.IncidentFilter(run=demo.run))
@@ -339,6 +418,17 @@ def report(
     proposals = demo.proposals()
     stopped = sorted({r["rollbacks"][0]["stopped_at"] for r in results if r["rollbacks"]})
     hardware = next(p for p in proposals if p["verdict"] == "hardware")
+    windows = demo.stored_windows(results)
+    spooled = sum(r["counters"]["spooled"] for r in results)
+    replayed = sum(r["counters"]["replayed"] for r in results)
+    outage = {**outage, **windows, "spooled": spooled, "replayed": replayed}
+    intact = not windows["lost"] and not windows["unexpected"]
+    demo.say(
+        f"[bold]the outage {'lost nothing' if intact else 'LOST RECORDS'}[/bold]: "
+        f"{spooled} records spooled, {replayed} replayed; "
+        f"{windows['stored']} of the ranks' {windows['windows']} windows stored, each once "
+        f"({windows['lost']} missing)"
+    )
     demo.say(
         f"  every rank stopped at step {stopped}, restored step {recovered['target']['step']}, skipped "
         f"{recovered['skip_batches']} and resumed; incident {recovered['incident']}: [bold]{story['status']}[/bold]"
@@ -408,6 +498,7 @@ def report(
         "stopped_at": stopped,
         "audit_ok": chain.ok,
         "story": [e["action"] for e in story["story"]],
+        "outage": outage,
     }
 
 

@@ -197,7 +197,14 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
             meta = restore(Path(directive["checkpoint_path"]), net, optimizer, scheduler)
             cursor, skip = meta["cursor"], skip | set(directive.get("skip_batches") or [])
             rollbacks.append(
-                {"directive": directive["id"], "stopped_at": rh.progress["step"], "to": meta["step"]}
+                {
+                    "directive": directive["id"],
+                    "stopped_at": rh.progress["step"],
+                    "to": meta["step"],
+                    # The incarnation that ends here and its windows (a restore starts a new one).
+                    "incarnation": rh.incarnation,
+                    "attempts": rh.progress["attempt"],
+                }
             )
             rh.resumed(
                 checkpoint_path=directive["checkpoint_path"],
