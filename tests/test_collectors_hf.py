@@ -6,6 +6,8 @@ rollback directive stopping the Trainer, with an in-process transport that hands
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -20,11 +22,12 @@ from tests.adapters_support import (
     directed_hook,
     hook_for,
     import_message_without,
+    run_rows,
     stored,
     stored_steps,
     wait_until_armed,
 )
-from tests.collectors_support import ServeProcess, serving
+from tests.collectors_support import ServeProcess, child_environ, serving, step_rows
 from tests.support import require_module
 
 require_module("torch")
@@ -279,3 +282,54 @@ def test_a_rollback_directive_stops_the_trainer_at_its_step(tmp_path: Path) -> N
 def test_importing_the_adapter_without_transformers_says_what_to_install() -> None:
     message = import_message_without("transformers", "collectors.hf")
     assert "pip install 'runhealth[hf]'" in message  # and ``import collectors`` needed none
+
+
+CRASHING_TRAINER = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from collectors.hf import RunHealthCallback
+
+class Crash(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise RuntimeError("the training crashed")
+
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0)
+data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 128, (32, 16)).unbind()]
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, max_steps=8, save_strategy="no",
+                         logging_steps=1000, report_to="none", use_cpu=True, disable_tqdm=True)
+trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+trainer.add_callback(RunHealthCallback(trainer))  # its own hook, from the environment
+trainer.add_callback(Crash())
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_that_raises_still_delivers_its_windows_and_finishes_failed(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    """``train()`` raising calls no callback (no ``on_train_end``): the hook is closed at the
+    interpreter's exit. Before that, the windows still queued were lost with the process."""
+    run = "hf-crash"
+    script = tmp_path / "trainer.py"
+    script.write_text(CRASHING_TRAINER)
+    environ = child_environ(
+        RUNHEALTH_URL=serve.url,
+        RUNHEALTH_TOKEN=serve.create_run(run),
+        RUNHEALTH_RUN=run,
+        RUNHEALTH_SPOOL_DIR=str(tmp_path / "spool"),
+        HF_HUB_OFFLINE="1",
+        TMPDIR=str(tmp_path),
+    )
+    child = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 1 and "the training crashed" in child.stderr, child.stderr[-3000:]
+    assert [row["attempt"] for row in step_rows(serve.db, run)] == [1, 2, 3]
+    assert [row["finish_status"] for row in run_rows(serve.db, "incarnations", run)] == ["failed"]

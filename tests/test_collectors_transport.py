@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from collectors import RunHealth, RunHealthConfig
 from collectors.counters import Counters
@@ -26,6 +25,7 @@ from collectors.sender import Sender, SenderConfig
 from collectors.spool import Spool, SpoolConfig
 from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
 from collectors.wire import Draft
+from tests.adapters_support import run_rows
 from tests.collectors_support import ServeProcess, child_environ, serving, step_rows, wait_until
 from tests.support import free_port, require_module
 
@@ -517,16 +517,6 @@ if sys.argv[1] == "fork":  # a child that exits normally runs the inherited atex
 """
 
 
-def finish_statuses(db: Path, run: str) -> list[str | None]:
-    query = "SELECT i.finish_status FROM incarnations i JOIN runs r ON r.id = i.run_id WHERE r.name = :run"
-    engine = sa.create_engine(f"sqlite:///{db}")
-    try:
-        with engine.connect() as connection:
-            return [row[0] for row in connection.execute(sa.text(query), {"run": run})]
-    finally:
-        engine.dispose()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("ending", "destination", "status"),
@@ -557,7 +547,7 @@ def test_a_hook_left_open_is_closed_at_exit_and_its_last_windows_land(
     )
     assert child.returncode == (1 if ending == "raise" else 0), child.stderr[-3000:]
     assert [row["attempt"] for row in step_rows(db, run)] == list(range(1, 41))
-    assert finish_statuses(db, run) == [status]
+    assert [row["finish_status"] for row in run_rows(db, "incarnations", run)] == [status]
 
 
 @pytest.mark.slow
