@@ -94,7 +94,12 @@ def send_spool(
     )
     counters = Counters()
     spool = Spool(SpoolConfig(directory=str(directory)), run, name, counters)
-    redriven = _redrive(spool, run_dir, held) if dead_letters else 0
+    try:
+        redriven = _redrive(spool, run_dir) if dead_letters else 0
+    except OSError:
+        spool.close()
+        transport.close()
+        raise
     config = SenderConfig(close_timeout_s=timeout_s, retry_max_s=max(0.5, min(10.0, timeout_s / 4)))
     complete = Sender(config, transport, spool, counters).close()  # never started: flushes here
     counts = counters.snapshot()
@@ -109,12 +114,12 @@ def send_spool(
     )
 
 
-def _redrive(spool: Spool, run_dir: Path, held: tuple[str, ...]) -> int:
+def _redrive(spool: Spool, run_dir: Path) -> int:
     """Dead letters back into ``spool`` (fsync'd), each file removed once all its records are
-    in; a file whose trainer is alive (its spool file held) is left to it."""
+    in; a file whose trainer is alive (its spool file held: it may append to it) is left."""
     moved = 0
     for path in sorted(run_dir.glob(f"*{DEAD_SUFFIX}")):
-        if path == spool.dead_letter_path or _spool_file_of(path) in held:
+        if path == spool.dead_letter_path or _held(path.with_name(_spool_file_of(path))):
             continue
         batches = [records for records, _ in _dead_batches(path) if records]
         for records in batches:

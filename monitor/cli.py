@@ -827,6 +827,10 @@ def spool_send(
         result = send_spool(where, run, transport, name=name, timeout_s=timeout, dead_letters=dead_letters)
     except ValueError as exc:  # the URL
         raise UserError(str(exc)) from exc
+    except FileNotFoundError:
+        raise  # no spool for that run: already one line
+    except OSError as exc:  # the spool's disk limit, a file that cannot be read or removed
+        raise UserError(f"the spool under {where}: {exc}") from exc
     except NotTaken as exc:
         typer.echo(f"runhealth: the service did not take records ({exc}); nothing was sent", err=True)
         raise SystemExit(1) from None

@@ -50,7 +50,9 @@ class EngineConfig:
 
     ``watermark_attempts`` and ``watermark_s``: a window is judged with the ranks it has once
     a window this many attempts later has arrived and the newest record's time is this many
-    seconds past the window's, so a dead rank cannot stall judgement. Each rank's sender
+    seconds past the window's, so a dead rank cannot stall judgement; and the window itself has
+    waited that long at this service (its first sighting, by the service's clock), so ranks
+    replaying their spools after an outage are not given up on while they catch up. Each rank's sender
     batches records for up to its flush interval, so in steady state some rank is routinely
     that far behind the others: ``watermark_s`` is ``watermark_flushes`` (2) of the interval the
     run's hook states in its run_start record plus ``watermark_slack_s`` (1 s), else
@@ -125,6 +127,8 @@ class _RunState:
     world_size: dict[str, int] = field(default_factory=dict)
     watermark_s: dict[str, float] = field(default_factory=dict)
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
+    # When this service first saw each window still unjudged (its clock): see ``_ready``.
+    arrived: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
 class PolicyEngine:
@@ -316,15 +320,30 @@ class PolicyEngine:
             newest_time = max(s["last_time"] for s in summaries)
             expected = state.world_size.get(incarnation, 1)
             wait_s = state.watermark_s.get(incarnation, self._config.watermark_s)
+            # A missing rank is given up on only once the window has also waited here that long:
+            # after an outage the ranks' spools are replayed in bursts, one rank's far ahead of
+            # the others', and record times alone would judge the windows between without the
+            # ranks still replaying (a bad batch on one of them went unseen). Every waiting
+            # window's first sighting is noted now, not when the loop reaches it, so a dead
+            # rank's windows are released together rather than one watermark apart.
+            seen_now = self._clock()
+            for summary in summaries:
+                state.arrived.setdefault((incarnation, summary["attempt"]), seen_now)
             for summary in summaries:
                 complete = summary["ranks_reported"] >= expected
-                overtaken = (
-                    summary["attempt"] <= newest - self._config.watermark_attempts
-                    and newest_time - summary["last_time"] >= wait_s
-                ) or (now is not None and now - summary["last_time"] >= 2 * wait_s)
+                waited = seen_now - state.arrived[(incarnation, summary["attempt"])]
+                overtaken = waited >= wait_s and (
+                    (
+                        summary["attempt"] <= newest - self._config.watermark_attempts
+                        and newest_time - summary["last_time"] >= wait_s
+                    )
+                    or (now is not None and now - summary["last_time"] >= 2 * wait_s)
+                )
                 if not (complete or overtaken):
                     break  # judge in order: a later window waits for this one
                 ready.append(summary)
+        for summary in ready:
+            state.arrived.pop((summary["incarnation"], summary["attempt"]), None)
         return ready
 
     def _start_order(self, connection: Connection, run_id: int, incarnations: list[str]) -> list[str]:

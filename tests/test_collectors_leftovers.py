@@ -178,3 +178,24 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path, capsys: pytest.Captur
         trainer_left_behind(tmp_path / "spool", run, range(1, 3))
     code, _, err = cli_result(capsys, *base)
     assert code == 2 and "several runs" in err and "a, b" in err
+
+
+@pytest.mark.slow
+def test_a_live_trainers_dead_letters_are_not_resent_under_it(
+    serve: ServeProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its sender may append to its dead-letter file at any moment: reading and removing the
+    file under it could lose what it appends in between."""
+    token = serve.create_run("live-dead")
+    spool_dir = tmp_path / "spool"
+    live = Spool(SpoolConfig(directory=str(spool_dir)), "live-dead", "node-b.rank1.inc2", Counters())
+    try:
+        live.dead_letter([step(7)], "500 internal", 500)  # nothing pending in its spool file
+        [entry] = listed(capsys, spool_dir)
+        assert (entry["kind"], entry["held"]) == ("dead", True)
+        code, result, err = send(capsys, serve, token, spool_dir, "--run", "live-dead", "--dead-letters")
+        assert code == 0, err
+        assert result["redriven"] == 0 and live.dead_letter_path.exists()
+        assert step_rows(serve.db, "live-dead") == []
+    finally:
+        live.close()

@@ -15,14 +15,24 @@ from monitor.service import Service
 INCARNATION = str(uuid.uuid4())
 
 
-def make_service(db: Path) -> tuple[Service, int]:
+class Clock:
+    """The service's clock, moved by the test: when records arrive matters to the watermark."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_service(db: Path, clock: Clock | None = None) -> tuple[Service, int]:
     engine = create_store_engine(resolve_url(str(db), {}))
     migrate.upgrade(engine)
     with engine.begin() as connection:
         if connection.execute(sa.select(models.Run.id)).first() is None:
             queries.create_run(connection, "r")
         run_id = int(queries.run_row(connection, "r").id)
-    return Service(engine, ServiceConfig()), run_id
+    return Service(engine, ServiceConfig(), clock=clock or Clock()), run_id
 
 
 def steps(attempts: range, ranks: tuple[int, ...], loss: dict[int, float] | None = None) -> list[dict]:
@@ -74,23 +84,50 @@ def test_a_window_waits_for_every_rank_of_the_declared_world(tmp_path: Path) -> 
 
 
 def test_a_dead_rank_cannot_stall_judgement_past_the_watermark(tmp_path: Path) -> None:
-    service, run_id = make_service(tmp_path / "s.db")
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
     post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
     post(service, run_id, steps(range(1, 5), (0,)))  # rank 1 never reports
     # Attempt 4 arrived, but one second per attempt is inside the 5 s watermark: a sender
     # batching for 2 s routinely leaves a live rank that far behind.
     assert judged(service) == []
+    clock.now += 4.0
     post(service, run_id, steps(range(5, 10), (0,)))
-    assert judged(service) == [1, 2, 3, 4]  # 5 s and 2 attempts behind attempt 9
+    assert judged(service) == []  # 5 s of records behind attempt 9, but here for 4 s only
+    clock.now += 1.0
+    post(service, run_id, steps(range(10, 11), (0,)))
+    assert judged(service) == [1, 2, 3, 4]  # here 5 s, and 5 s and 2 attempts behind; 5 came 1 s ago
+
+
+def test_a_rank_replaying_its_spool_is_waited_for_while_another_races_ahead(tmp_path: Path) -> None:
+    """After an outage each rank replays its spool: one rank's burst can be far ahead of the
+    others' in record time. Judged by record time alone, the windows between lacked the other
+    ranks, and rank 1's bad batch at step 60 reached its window after the window was judged."""
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(1, 21), (0, 1)))  # before the outage
+    post(service, run_id, steps(range(21, 100), (0,)))  # rank 0's spool, replayed first
+    clock.now += 0.5
+    bad = {60: 9.0}
+    post(service, run_id, [r for r in steps(range(21, 100), (1,), loss=bad)])  # rank 1's, just after
+    assert judged(service) == list(range(1, 100))
+    assert incidents(service) == [("spike", 60, 60)]
+    table = models.StepSummary.__table__
+    with service.engine.connect() as connection:
+        assert connection.execute(sa.select(sa.func.sum(table.c.late_records))).scalar_one() == 0
 
 
 def test_the_watermark_follows_the_flush_interval_the_hook_states(tmp_path: Path) -> None:
-    service, run_id = make_service(tmp_path / "s.db")
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
     hook = {"runhealth_hook": {"flush_s": 0.5}}  # a 2 s watermark: 2 flushes and 1 s of slack
     start = {"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2, "config": hook}
     post(service, run_id, [start])
     post(service, run_id, steps(range(1, 5), (0,)))
-    assert judged(service) == [1, 2]
+    clock.now += 2.0
+    post(service, run_id, steps(range(5, 6), (0,)))
+    assert judged(service) == [1, 2, 3]
 
 
 def test_windows_are_judged_in_order_even_when_they_complete_out_of_order(tmp_path: Path) -> None:
@@ -113,10 +150,13 @@ def test_a_spike_right_after_a_service_restart_is_judged_without_a_new_warm_up(t
 
 
 def test_consecutive_spikes_are_one_incident_and_late_records_open_nothing_new(tmp_path: Path) -> None:
-    service, run_id = make_service(tmp_path / "s.db")
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
     post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
     spikes = {70: 9.0, 71: 9.5, 72: 9.2}
     post(service, run_id, steps(range(1, 80), (0,), loss=spikes))
+    clock.now += 60.0  # rank 1 given up on: its windows are judged without it
+    service.judge_waiting()
     post(service, run_id, steps(range(1, 74), (1,), loss=spikes))  # rank 1 replayed late from a spool
     assert incidents(service) == [("spike", 70, 72)]
     table = models.StepSummary.__table__

@@ -157,7 +157,9 @@ def trained(watched: Service, run: RunHandle, clock: Clock, tmp_path: Path) -> S
     records = [{"kind": "run_start", "incarnation": INCARNATION, "time": T0, "world_size": 4}]
     records += [window(a, r) for a in range(1, 31) for r in range(4) if (a, r) != (5, 3)]
     post(watched, run, records)
-    post(watched, run, [held])  # its window was judged without it: late
+    clock.now += 30  # rank 3 given up on for window 5: judged without it
+    watched.judge_waiting()
+    post(watched, run, [held])  # late
     post(watched, run, [window(30, 0)])  # sent twice: a duplicate
     post(watched, run, [checkpoint(tmp_path, 8, manifest=True), checkpoint(tmp_path, 12, manifest=False)])
     post(watched, run, [device_sample(r, s) for s in (1, 2) for r in range(4)])

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from monitor import dashboards
 from tests.prometheus_support import RULES, PrometheusServer, ServeProcess
@@ -371,8 +372,10 @@ def scenario(
 
         held = train(send, run, tmp_path_factory.mktemp("training"))
         go_silent(send, silent)
-        # The spooled record is replayed once Prometheus has seen the late counter at 0.
+        # The spooled record is replayed once Prometheus has seen the late counter at 0 and the
+        # service gave up waiting for it (its window judged without it, by the watermark).
         wait_for_series(prometheus_server, f'runhealth_records_late_total{{run="{run}"}} == 0', timeout_s=20)
+        wait_until_judged(served.root / "runhealth.db", run, HELD_BACK[0], timeout_s=30)
         send(run, held)
     print(f"trained and reported in {time.monotonic() - started:.1f} s")
     alerts = wait_for_alerts(prometheus_server, timeout_s=45)
@@ -451,6 +454,24 @@ def go_silent(send: Any, run: str) -> None:
         for a in range(1, 6)
     ]
     send(run, records)
+
+
+def wait_until_judged(db: Path, run: str, attempt: int, timeout_s: float) -> None:
+    query = sa.text(
+        "SELECT s.judged FROM step_summaries s JOIN runs r ON r.id = s.run_id "
+        "WHERE r.name = :run AND s.attempt = :attempt"
+    )
+    engine = sa.create_engine(f"sqlite:///{db}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            with engine.connect() as connection:
+                if connection.execute(query, {"run": run, "attempt": attempt}).scalar():
+                    return
+            assert time.monotonic() < deadline, f"window {attempt} of {run} was never judged"
+            time.sleep(0.2)
+    finally:
+        engine.dispose()
 
 
 def wait_for_series(prometheus: PrometheusServer, expr: str, timeout_s: float) -> None:

@@ -97,11 +97,15 @@ def test_a_nan_on_one_rank_is_critical_and_names_it(service: Service, store: Eng
 
 
 def test_late_records_are_judged_on_arrival_into_the_open_incident(
-    service: Service, store: Engine, run: RunHandle
+    store: Engine, service_config: ServiceConfig, run: RunHandle
 ) -> None:
+    clock = {"now": 2_000.0}
+    service = Service(store, service_config, clock=lambda: clock["now"])
     post(service, run, [start(), *windows(range(1, 30))])
     early = [r for r in windows(range(30, 37), loss={(30, 3): "NaN", (30, 1): "NaN"}) if r["rank"] != 3]
-    post(service, run, early)  # rank 3 of window 30 is missing: judged by watermark without it
+    post(service, run, early)
+    clock["now"] += 60.0  # rank 3 of window 30 is still missing: judged by watermark without it
+    service.judge_waiting()
     (incident,) = incidents(store, run)
     assert incident["ranks"] == [1]
     post(service, run, [r for r in windows(range(30, 31), loss={(30, 3): "NaN"}) if r["rank"] == 3])
