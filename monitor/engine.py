@@ -125,6 +125,7 @@ class _RunState:
     last_incarnation: str | None = None
     last_step: int = 0
     world_size: dict[str, int] = field(default_factory=dict)
+    declared: set[str] = field(default_factory=set)  # world size from the run-start record
     watermark_s: dict[str, float] = field(default_factory=dict)
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
     # When this service first saw each window still unjudged (its clock): see ``_ready``.
@@ -366,10 +367,14 @@ class PolicyEngine:
         state: _RunState,
         by_incarnation: dict[str, list[dict[str, Any]]],
     ) -> None:
-        """World size from the run-start record; failing that, the most ranks yet seen. The
-        watermark from the flush interval the run-start record states."""
-        unknown = [inc for inc in by_incarnation if inc not in state.world_size]
+        """World size from the run-start record; until it arrives (a new incarnation's first
+        records can come from any rank, before rank 0's run start), the run's newest declared
+        world size or the most ranks yet seen, whichever is more: a guess of one rank judged a
+        resumed incarnation's windows on whichever rank reported first, the others' records
+        arriving late. The watermark from the flush interval the run-start record states."""
+        unknown = [inc for inc in by_incarnation if inc not in state.declared]
         declared = {}
+        prior = 1
         if unknown:
             started = connection.execute(
                 sa.select(INCARNATION.c.incarnation, INCARNATION.c.world_size, INCARNATION.c.config).where(
@@ -384,12 +389,26 @@ class PolicyEngine:
                     state.watermark_s[row.incarnation] = (
                         config.watermark_flushes * flush_s + config.watermark_slack_s
                     )
+            if any(inc not in declared for inc in unknown):
+                prior = self._newest_declared_world(connection, run_id)
         for incarnation, summaries in by_incarnation.items():
             if incarnation in declared:
                 state.world_size[incarnation] = declared[incarnation]
+                state.declared.add(incarnation)
+                continue
+            if incarnation in state.declared:
                 continue
             seen = max(s["ranks_reported"] for s in summaries)
-            state.world_size[incarnation] = max(state.world_size.get(incarnation, 1), seen)
+            state.world_size[incarnation] = max(state.world_size.get(incarnation, prior), seen)
+
+    def _newest_declared_world(self, connection: Connection, run_id: int) -> int:
+        newest = connection.execute(
+            sa.select(INCARNATION.c.world_size)
+            .where(INCARNATION.c.run_id == run_id, INCARNATION.c.world_size.is_not(None))
+            .order_by(INCARNATION.c.id.desc())
+            .limit(1)
+        ).scalar()
+        return int(newest) if newest else 1
 
 
 def _rank_nonfinite(window: RankWindow) -> list[Finding]:

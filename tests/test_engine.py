@@ -220,3 +220,32 @@ def test_a_restart_releases_the_old_incarnations_windows_first(tmp_path: Path) -
         findings = queries.list_findings(connection, run_id)
     assert [(i == old, a) for i, a in order][8:10] == [(True, 9), (True, 10)]
     assert [f["step"] for f in findings if f["kind"] == "schedule_restarted"] == [9]
+
+
+def test_a_new_incarnations_windows_wait_for_its_world_before_its_run_start_arrives(tmp_path: Path) -> None:
+    """After an in-process rollback rank 0 sends the new incarnation's run start, but any rank's
+    step records may reach the service first. The world was taken as the most ranks seen (one):
+    every window was judged on the first rank to report, the others' records arriving late."""
+    service, run_id = make_service(tmp_path / "s.db")
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(1, 11), (0, 1)))
+    resumed = str(uuid.uuid4())
+    first = [{**record, "incarnation": resumed} for record in steps(range(1, 4), (1,))]
+    post(service, run_id, first)  # rank 1 first: its window waits for the world of 2
+    assert judged(service) == list(range(1, 11))
+    start = {"kind": "run_start", "incarnation": resumed, "time": 11.0, "world_size": 2}
+    post(
+        service, run_id, [start, *[{**record, "incarnation": resumed} for record in steps(range(1, 4), (0,))]]
+    )
+    table = models.StepSummary.__table__
+    with service.engine.connect() as connection:
+        rows = connection.execute(
+            sa.select(table.c.attempt, table.c.ranks_reported, table.c.late_records).where(
+                table.c.incarnation == resumed, table.c.judged
+            )
+        ).all()
+    assert sorted((r.attempt, r.ranks_reported, r.late_records) for r in rows) == [
+        (1, 2, 0),
+        (2, 2, 0),
+        (3, 2, 0),
+    ]

@@ -198,6 +198,14 @@ class Demo:
                 {"run": self.run},
             ).all()
         stored = {(row.incarnation, row.rank, row.attempt) for row in rows}
+        with self.engine.connect() as connection:
+            late = connection.execute(
+                sa.text(
+                    "SELECT COALESCE(SUM(s.late_records), 0) FROM step_summaries s "
+                    "JOIN runs r ON r.id = s.run_id WHERE r.name = :run"
+                ),
+                {"run": self.run},
+            ).scalar_one()
         ended = [
             (result["rank"], incarnation["incarnation"], int(incarnation["attempts"]))
             for result in results
@@ -213,6 +221,7 @@ class Demo:
             "stored": len(rows),
             "lost": len(made - stored),
             "unexpected": len(stored - made),
+            "late_records": int(late),  # arrived after their window was judged without them
         }
 
     def launch(self) -> None:
