@@ -301,7 +301,14 @@ class RunHealth:
         for handle in self._handles:
             handle.remove()
         self._consensus.close()
-        self._sender.close()
+        if not self._sender.close():
+            log.warning(
+                "runhealth: records are left in the spool under %s; the run's next trainer replays "
+                "them, or: runhealth spool send --dir %s --run %s --url URL --token TOKEN",
+                self._sender.spool_path.parent,
+                self.config.spool.directory,
+                self.run,
+            )
         self._release_service(wait_for_peers=status != "failed")
 
     def _release_service(self, *, wait_for_peers: bool) -> None:

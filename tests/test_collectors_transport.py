@@ -282,7 +282,9 @@ def test_a_slow_service_does_not_starve_polls_while_the_trainer_keeps_submitting
 
 
 @pytest.mark.slow
-def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(tmp_path: Path) -> None:
+def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     require_module("torch")
     environ = child_environ(
         RUNHEALTH_DB=str(tmp_path / "missing-dir" / "file" / "x.db"),
@@ -300,6 +302,8 @@ def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(tmp_pa
     assert rh.counters["spooled"] == 5 and rh.counters["sent"] == 0  # run start, 3 steps, finish
     (spooled,) = (tmp_path / "spool" / "no-service").glob("*.jsonl")
     assert spooled.read_text().count('"kind":"step"') == 3
+    # The person reading the log learns where the records are and how to send them.
+    assert f"runhealth spool send --dir {tmp_path / 'spool'} --run no-service" in caplog.text
 
 
 def quick_config(environ: dict[str, str]) -> RunHealthConfig:
