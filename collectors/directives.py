@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger("runhealth.collectors.directives")
@@ -33,13 +34,18 @@ STEP_ALIGNED = ("rollback", "canary")
 @dataclass(frozen=True)
 class DirectiveConfig:
     """``poll_interval_s`` 2: the service places a directive's step at least twice this (and
-    the sender's delay) ahead of the newest step it saw, so every rank has polled in time."""
+    the sender's delay) ahead of the newest step it saw, so every rank has polled in time.
+    ``close_wait_s`` 10: at close, how long to wait for the agreement still in flight. Every
+    rank launched it a window ago, so with healthy peers it has completed; a peer that never
+    reached that boundary (hung, or dead) would hold this process at its exit for the group's
+    timeout (30 minutes for gloo by default), hiding the failure from the launcher."""
 
     poll_interval_s: float = 2.0
+    close_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.poll_interval_s <= 0:
-            raise ValueError("DirectiveConfig.poll_interval_s must be > 0")
+        if self.poll_interval_s <= 0 or self.close_wait_s <= 0:
+            raise ValueError("DirectiveConfig.poll_interval_s and close_wait_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,14 @@ class Consensus:
         self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
         return agreed
 
-    def close(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+    def close(self, wait_s: float) -> None:
+        """Wait at most ``wait_s`` for the agreement in flight (``DirectiveConfig.close_wait_s``)."""
+        work, self._work = self._work, None
+        if work is None:
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=wait_s))
+        except RuntimeError as exc:  # gloo: "Operation timed out!", or a peer gone
+            log.warning(
+                "runhealth: a peer never joined the last directive agreement (%s); closing anyway", exc
+            )

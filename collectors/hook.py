@@ -300,7 +300,7 @@ class RunHealth:
             self._stop_sampler(sampler)
         for handle in self._handles:
             handle.remove()
-        self._consensus.close()
+        self._consensus.close(self.config.directives.close_wait_s)
         if not self._sender.close():
             log.warning(
                 "runhealth: records are left in the spool under %s; the run's next trainer replays "

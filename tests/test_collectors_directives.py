@@ -1,0 +1,72 @@
+"""The directive agreement's close (``collectors/directives.py``) in a real two-process gloo
+group: a peer that never reaches the boundary does not hold this process at its exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collectors.directives import DirectiveConfig
+from tests.collectors_support import child_environ
+from tests.support import free_port, require_module
+
+RANK = """
+import logging, os, sys, time
+import torch, torch.distributed as dist
+from collectors.directives import Consensus
+logging.basicConfig(level=logging.WARNING)
+rank, port, peer_joins = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "joins"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+consensus = Consensus.create(torch)
+if rank == 0 or peer_joins:
+    consensus.exchange(0)  # the boundary's agreement, launched
+if rank == 0:
+    started = time.monotonic()
+    consensus.close(1.0)
+    print(f"closed in {time.monotonic() - started:.2f} s", flush=True)
+else:
+    if peer_joins:
+        consensus.close(1.0)
+    time.sleep(0 if peer_joins else 8)  # hung before the boundary: never joins
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", ["joins", "hangs"])
+def test_close_waits_for_the_agreement_at_most_its_bound(tmp_path: Path, peer: str) -> None:
+    require_module("torch")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    port = str(free_port())
+    environ = child_environ(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, peer],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    started = time.monotonic()
+    out, err = ranks[0].communicate(timeout=60)
+    rank0_s = time.monotonic() - started
+    ranks[1].communicate(timeout=60)
+    assert ranks[0].returncode == 0, err
+    closed_s = float(out.split("closed in ")[1].split(" s")[0])
+    if peer == "joins":
+        assert closed_s < 0.5 and "never joined" not in err
+    else:
+        assert 0.9 <= closed_s < 3.0 and "never joined the last directive agreement" in err
+        assert rank0_s < 8  # it did not wait for the hung peer's exit either
+
+
+def test_the_close_wait_is_validated() -> None:
+    with pytest.raises(ValueError, match="close_wait_s"):
+        DirectiveConfig(close_wait_s=0)
