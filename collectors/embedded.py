@@ -53,18 +53,26 @@ class EmbeddedConfig:
     ``ranks_timeout_s``: 60 s at close for the node's other ranks to finish sending; a rank that
     died keeps its records in its spool for the next start. A failed close does not wait
     (``RunHealth._release_service``).
+    ``revive_interval_s``, ``max_revivals``: a child that dies mid-run (killed for memory, a
+    crash) is started again on its port, at most once per 10 s and 5 times in a run: a child
+    that keeps dying has a reason in its log that restarting will not fix, and the records
+    wait in the spools meanwhile.
     """
 
     db: str = "runhealth.db"
     start_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
     ranks_timeout_s: float = 60.0
+    revive_interval_s: float = 10.0
+    max_revivals: int = 5
 
     def __post_init__(self) -> None:
         if not self.db:
             raise ValueError("EmbeddedConfig.db must not be empty")
-        if min(self.start_timeout_s, self.stop_timeout_s, self.ranks_timeout_s) <= 0:
+        if min(self.start_timeout_s, self.stop_timeout_s, self.ranks_timeout_s, self.revive_interval_s) <= 0:
             raise ValueError(f"EmbeddedConfig timeouts must be > 0: {self}")
+        if self.max_revivals < 0:
+            raise ValueError(f"EmbeddedConfig.max_revivals must be >= 0, got {self.max_revivals}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ class EmbeddedService:
         self._environ = environ
         self._state = Path(tempfile.mkdtemp(prefix="runhealth-embedded-"))
         self._process: subprocess.Popen[bytes] | None = None
+        self._token = ""
+        self._port = 0  # 0 until started: a revival keeps the port the node's ranks know
+        self._next_revival = 0.0
+        self.revivals = 0
 
     @property
     def pid(self) -> int | None:
@@ -97,14 +109,42 @@ class EmbeddedService:
         return self._state / "serve.log"
 
     def start(self, run: str) -> Endpoint:
-        token = f"rh_admin_{secrets.token_urlsafe(24)}"
-        self._process = self._spawn(token)
-        url = f"http://127.0.0.1:{self._wait_for_port()}"
+        token = self._token = f"rh_admin_{secrets.token_urlsafe(24)}"
+        self._process = self._spawn(token, 0)
+        self._port = self._wait_for_port()
+        url = f"http://127.0.0.1:{self._port}"
         self._create_run(url, token, run)
         done_dir = self._state / "done"
         done_dir.mkdir()
         log.info("embedded runhealth service at %s (pid %d, db %s)", url, self.pid, self._config.db)
         return Endpoint(url=url, token=token, done_dir=str(done_dir))
+
+    def revive(self) -> bool:
+        """Called each sender cycle by the rank that runs the service: a child that died
+        mid-run is started again on the same port with the same token, so the node's ranks,
+        which know only that address, reconnect and replay their spools. True when it did."""
+        process = self._process
+        if process is None or process.poll() is None or not self._port:
+            return False
+        now = time.monotonic()
+        if now < self._next_revival or self.revivals >= self._config.max_revivals:
+            return False
+        self._next_revival = now + self._config.revive_interval_s
+        self.revivals += 1
+        log.warning(
+            "runhealth: the embedded service (pid %d) exited with status %s; starting it again on port %d",
+            process.pid,
+            process.returncode,
+            self._port,
+        )
+        (self._state / "port").unlink(missing_ok=True)
+        try:
+            self._process = self._spawn(self._token, self._port)
+            self._wait_for_port()
+        except (OSError, EmbeddedError) as exc:
+            log.error("runhealth: the embedded service did not come back (%s); records stay spooled", exc)
+            return False
+        return True
 
     def stop(self, endpoint: Endpoint | None, ranks: int) -> None:
         """Wait (bounded) until ``ranks`` ranks marked done, then stop the child by its PID.
@@ -123,7 +163,7 @@ class EmbeddedService:
         if endpoint is not None:
             shutil.rmtree(self._state, ignore_errors=True)
 
-    def _spawn(self, token: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, token: str, port: int) -> subprocess.Popen[bytes]:
         port_file = self._state / "port"
         command = [
             sys.executable,
@@ -136,7 +176,7 @@ class EmbeddedService:
             "--host",
             "127.0.0.1",
             "--port",
-            "0",
+            str(port),
             "--port-file",
             str(port_file),
         ]

@@ -995,6 +995,9 @@ class RunHealth:
         if now >= self._next_poll and not answered:
             self._next_poll = now + self.config.directives.poll_interval_s
             self._poll_directives()
+        service = self._destination.service if self._destination is not None else None
+        if service is not None:
+            service.revive()  # the node's embedded service, if it died
 
     def _ask_directives_with_posts(self) -> None:
         ask = getattr(self._sender.transport, "ask_directives_with_posts", None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -576,3 +578,39 @@ def test_a_wrong_token_spools_the_records_for_a_restart_with_the_right_one(
     assert restarted.close()
     assert second.snapshot()["replayed"] == 10
     assert [row["attempt"] for row in rows_of(serve, "wrong-token")] == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_an_embedded_service_that_dies_mid_run_is_started_again_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Killed (as the kernel's OOM killer would) while the trainer runs: the rank that runs it
+    starts it again on the same port, and every window reaches the store once."""
+    require_module("torch")
+    db = tmp_path / "embedded.db"
+    environ = child_environ(
+        RUNHEALTH_DB=str(db), RUNHEALTH_RUN="revived", RUNHEALTH_SPOOL_DIR=str(tmp_path / "spool")
+    )
+    config = quick_config(environ)
+    config = dataclasses.replace(
+        config, sender=dataclasses.replace(config.sender, flush_interval_s=0.05, retry_max_s=0.2)
+    )
+    rh = RunHealth(environ=environ, config=config).start()
+
+    def windows(count: int) -> None:
+        for _ in range(count):
+            rh.window_start()
+            rh.loss(1.5, tokens=3)
+            rh.window_end()
+            time.sleep(0.01)
+
+    try:
+        windows(20)
+        first = rh.embedded_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        windows(20)  # queued, or spooled, while it is down
+        assert wait_until(lambda: rh.embedded_pid not in (None, first), 60)
+        windows(20)
+    finally:
+        rh.close()
+    assert [row["attempt"] for row in step_rows(db, "revived")] == list(range(1, 61))
+    assert rh.counters["dropped"] == 0
