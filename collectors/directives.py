@@ -77,9 +77,14 @@ class Armory:
         self, pending: list[Directive], step: int, answer: Callable[[Directive, str, int], None]
     ) -> None:
         """The service's pending list, polled: arm what is new and still ahead, answer
-        ``missed`` for what is already behind, disarm what the service withdrew."""
+        ``missed`` for what is new and already behind, disarm what the service withdrew. A
+        directive armed in time stays armed once its step has passed: the agreement acts on it
+        one boundary late, and a poll in between that answered ``missed`` (while this rank then
+        acted on it with the others) made the service replace a directive that was carried
+        out, and never record the rollback as executed."""
         with self._lock:
             handled = set(self._handled)
+            already = set(self._armed)
         armed: dict[int, Directive] = {}
         local: list[Directive] = []
         for directive in pending:
@@ -87,7 +92,7 @@ class Armory:
                 continue
             if directive.act_at_step is None:
                 local.append(directive)  # this rank alone, at its next boundary (a re-run)
-            elif directive.act_at_step < step:
+            elif directive.act_at_step < step and directive.id not in already:
                 self.handled(directive.id)
                 answer(directive, "missed", step)
             else:

@@ -1,5 +1,6 @@
-"""The directive agreement's close (``collectors/directives.py``) in a real two-process gloo
-group: a peer that never reaches the boundary does not hold this process at its exit."""
+"""Directives on the hook's side (``collectors/directives.py``): what a poll arms and when it
+answers ``missed`` (``Armory``), and the agreement's close in a real two-process gloo group,
+where a peer that never reaches the boundary does not hold this process at its exit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.directives import DirectiveConfig
+from collectors.directives import Armory, Directive, DirectiveConfig
 from tests.collectors_support import child_environ
 from tests.support import free_port, require_module
 
@@ -70,3 +71,32 @@ def test_close_waits_for_the_agreement_at_most_its_bound(tmp_path: Path, peer: s
 def test_the_close_wait_is_validated() -> None:
     with pytest.raises(ValueError, match="close_wait_s"):
         DirectiveConfig(close_wait_s=0)
+
+
+def rollback(directive_id: int, step: int) -> Directive:
+    return Directive(directive_id, "rollback", step, {})
+
+
+def test_a_directive_armed_in_time_is_not_missed_by_a_poll_after_its_step() -> None:
+    """The agreement acts one boundary late: between the directive's step and that boundary,
+    the sender polls again. Answering ``missed`` then, while acting on it with the other
+    ranks, made the service replace a rollback that was carried out (seen in the demo)."""
+    armory, answers = Armory(), []
+    armory.update([rollback(13, 449)], 440, lambda d, status, step: answers.append((d.id, status, step)))
+    armory.update([rollback(13, 449)], 450, lambda d, status, step: answers.append((d.id, status, step)))
+    assert answers == [] and armory.oldest_armed() == 13 and armory.known(13) is not None
+
+
+def test_a_directive_first_seen_after_its_step_is_missed_and_not_armed() -> None:
+    armory, answers = Armory(), []
+    armory.update([rollback(14, 449)], 450, lambda d, status, step: answers.append((d.id, status, step)))
+    assert answers == [(14, "missed", 450)] and armory.oldest_armed() == 0
+    armory.update([rollback(14, 449)], 451, lambda d, status, step: answers.append((d.id, status, step)))
+    assert answers == [(14, "missed", 450)]  # answered once
+
+
+def test_a_withdrawn_directive_is_disarmed() -> None:
+    armory = Armory()
+    armory.update([rollback(15, 500)], 400, lambda *_: None)
+    armory.update([], 401, lambda *_: None)
+    assert armory.oldest_armed() == 0
