@@ -62,13 +62,16 @@ class SendResult:
 def list_spool(directory: Path) -> list[SpoolEntry]:
     """Every spool and dead-letter file under ``directory`` (one subdirectory per run) that
     holds something, read only: no lock is kept and no cursor moves."""
-    entries = []
-    for run_dir in sorted(path for path in directory.iterdir() if path.is_dir()):
-        for path in sorted(run_dir.glob(f"*{SPOOL_SUFFIX}")):
-            entry = _entry(run_dir.name, path)
-            if entry.batches or entry.unreadable:
-                entries.append(entry)
-    return entries
+    return [
+        entry
+        for run_dir in sorted(path for path in directory.iterdir() if path.is_dir())
+        for entry in _run_entries(run_dir)
+    ]
+
+
+def _run_entries(run_dir: Path) -> list[SpoolEntry]:
+    entries = [_entry(run_dir.name, path) for path in sorted(run_dir.glob(f"*{SPOOL_SUFFIX}"))]
+    return [entry for entry in entries if entry.batches or entry.unreadable]
 
 
 def send_spool(
@@ -89,9 +92,7 @@ def send_spool(
     if answer.outcome is not Outcome.DELIVERED:
         transport.close()
         raise NotTaken(answer.reason or "no answer")
-    held = tuple(
-        entry.file for entry in list_spool(directory) if entry.run_dir == run_dir.name and entry.held
-    )
+    held = tuple(entry.file for entry in _run_entries(run_dir) if entry.held)
     counters = Counters()
     spool = Spool(SpoolConfig(directory=str(directory)), run, name, counters)
     try:

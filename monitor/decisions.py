@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from monitor import audit, checkpoints, directives, models
+from monitor import audit, checkpoints, directives, models, queries
 from monitor.actions import ActionConfig, quarantine
 from monitor.evidence import incident_evidence
 from monitor.incidents import close_incident
@@ -501,13 +501,7 @@ class Decisions:
             )
 
     def _world(self, connection: Connection, run_id: int, acks: Sequence[Any]) -> int:
-        world = connection.execute(
-            sa.select(INCARNATION.c.world_size)
-            .where(INCARNATION.c.run_id == run_id, INCARNATION.c.world_size.is_not(None))
-            .order_by(INCARNATION.c.id.desc())
-            .limit(1)
-        ).scalar()
-        return int(world or len(acks))
+        return queries.newest_world_size(connection, run_id) or len(acks)
 
     def _reissue(
         self, connection: Connection, directive: Any, proposal_id: int | None, past: int, now: float

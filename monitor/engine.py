@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from monitor import hook_settings, models
+from monitor import hook_settings, models, queries
 from monitor.incidents import IncidentRecorder
 from monitor.resumes import judge_resumes
 from policies.hangs import HangConfig
@@ -390,7 +390,7 @@ class PolicyEngine:
                         config.watermark_flushes * flush_s + config.watermark_slack_s
                     )
             if any(inc not in declared for inc in unknown):
-                prior = self._newest_declared_world(connection, run_id)
+                prior = queries.newest_world_size(connection, run_id) or 1
         for incarnation, summaries in by_incarnation.items():
             if incarnation in declared:
                 state.world_size[incarnation] = declared[incarnation]
@@ -400,15 +400,6 @@ class PolicyEngine:
                 continue
             seen = max(s["ranks_reported"] for s in summaries)
             state.world_size[incarnation] = max(state.world_size.get(incarnation, prior), seen)
-
-    def _newest_declared_world(self, connection: Connection, run_id: int) -> int:
-        newest = connection.execute(
-            sa.select(INCARNATION.c.world_size)
-            .where(INCARNATION.c.run_id == run_id, INCARNATION.c.world_size.is_not(None))
-            .order_by(INCARNATION.c.id.desc())
-            .limit(1)
-        ).scalar()
-        return int(newest) if newest else 1
 
 
 def _rank_nonfinite(window: RankWindow) -> list[Finding]:

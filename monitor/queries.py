@@ -48,6 +48,17 @@ def run_row(connection: Connection, name: str) -> Any:
     return row
 
 
+def newest_world_size(connection: Connection, run_id: int) -> int | None:
+    """The world size the run's newest incarnation with a run-start record declared."""
+    world = connection.execute(
+        sa.select(INCARNATION.c.world_size)
+        .where(INCARNATION.c.run_id == run_id, INCARNATION.c.world_size.is_not(None))
+        .order_by(INCARNATION.c.id.desc())
+        .limit(1)
+    ).scalar()
+    return int(world) if world else None
+
+
 def list_runs(connection: Connection) -> list[dict[str, Any]]:
     latest = (
         sa.select(

@@ -197,8 +197,6 @@ class Demo:
                 ),
                 {"run": self.run},
             ).all()
-        stored = {(row.incarnation, row.rank, row.attempt) for row in rows}
-        with self.engine.connect() as connection:
             late = connection.execute(
                 sa.text(
                     "SELECT COALESCE(SUM(s.late_records), 0) FROM step_summaries s "
@@ -206,6 +204,7 @@ class Demo:
                 ),
                 {"run": self.run},
             ).scalar_one()
+        stored = {(row.incarnation, row.rank, row.attempt) for row in rows}
         ended = [
             (result["rank"], incarnation["incarnation"], int(incarnation["attempts"]))
             for result in results
