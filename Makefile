@@ -21,13 +21,18 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 venv: $(STAMP)
 
-# The test suite needs real Prometheus, promtool, amtool and PostgreSQL 15 binaries.
+# The test suite needs real Prometheus, promtool, amtool and PostgreSQL 15 binaries. A first
+# install can stop in postgresql-15's configure step (seen here: dpkg exit 1, its service may not
+# start in a container); finishing the configuration and installing again completes it.
 system-deps:
 	@if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null \
 	    || [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	    --no-install-recommends prometheus prometheus-alertmanager postgresql-15 >/dev/null; \
+	  PKGS="prometheus prometheus-alertmanager postgresql-15"; \
+	  $$SUDO apt-get update -qq && { DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends $$PKGS >/dev/null \
+	  || { DEBIAN_FRONTEND=noninteractive $$SUDO dpkg --configure -a \
+	       && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$PKGS; }; }; \
 	fi
 
 demo: $(STAMP)

@@ -68,7 +68,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=80, help="updates before the run may end")
     parser.add_argument("--after-rollback", type=int, default=20, help="updates after a rollback")
     parser.add_argument("--max-steps", type=int, default=400, help="end anyway after this many updates")
-    parser.add_argument("--wait-rollback", action="store_true", help="keep training until a rollback came")
+    parser.add_argument(
+        "--wait-rollback",
+        action="store_true",
+        help="keep training until a rollback came (or --wait-rollback-s passed), whatever --max-steps says",
+    )
+    parser.add_argument("--wait-rollback-s", type=float, default=600.0, help="wall-clock bound on that wait")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--corrupt", default=None, help="R:I")
@@ -109,6 +114,14 @@ def restore(path: Path, net: torch.nn.Module, optimizer: Any, scheduler: Any) ->
     scheduler.load_state_dict(states["scheduler"])
     meta: dict[str, Any] = json.loads((path / "meta.json").read_text())
     return meta
+
+
+def agreed_past(deadline: float) -> bool:
+    """Whether any rank is past ``deadline``. Ranks leave the loop at one step or the others wait
+    in their next collective forever, so the wall clock is agreed, not read rank by rank."""
+    late = torch.tensor([1 if time.monotonic() > deadline else 0])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
 
 
 def warmup(optimizer: Any) -> Any:
@@ -152,6 +165,9 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
         else {"task": args.task}
     )
     cursor, resumed_at = 0, None
+    # A loaded machine replays and approves slower than it trains: the wait for a rollback is
+    # bounded by time, never by a step count.
+    wait_deadline = time.monotonic() + args.wait_rollback_s
     skip: set[str] = set()
     rollbacks: list[dict[str, Any]] = []
     with RunHealth(
@@ -188,8 +204,13 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                         scheduler,
                         cursor,
                     )
-                after = resumed_at is not None and step >= resumed_at + args.after_rollback
-                if step >= args.max_steps or after or (step >= args.steps and not args.wait_rollback):
+                if resumed_at is not None:
+                    if step >= resumed_at + args.after_rollback or step >= args.max_steps:
+                        break
+                elif args.wait_rollback:
+                    if step % 10 == 0 and agreed_past(wait_deadline):
+                        break
+                elif step >= args.steps or step >= args.max_steps:
                     break
             directive = rh.directive
             if directive is None or directive.get("kind") != "rollback":
