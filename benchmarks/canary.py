@@ -42,7 +42,7 @@ import torch
 from collectors.canary import (
     KERNELS,
     CanaryConfig,
-    Faults,
+    CanaryFaults,
     SuiteRun,
     _fingerprint,  # what run_suite calls on each output: timed apart below
     describe_stack,
@@ -70,8 +70,8 @@ class KernelClock:
         self.compute[kernel] = time.perf_counter() - self.last_input[kernel]
         return tensor
 
-    def faults(self) -> Faults:
-        return Faults(inputs=self.inputs, output=self.output)
+    def faults(self) -> CanaryFaults:
+        return CanaryFaults(inputs=self.inputs, output=self.output)
 
 
 def timed_run(config: CanaryConfig, clock: KernelClock | None = None) -> tuple[SuiteRun, float]:

@@ -4,7 +4,7 @@ and whether a healthy rank is ever flagged (a benchmark, not a test).
 Four ranks are real processes on gloo (127.0.0.1, one thread each, so all four share one
 stack). On one of them the canary's GEMMs (``gemm_fp32`` and ``gemm_bf16``) behave like a
 marginal core: each output, with probability p per call, gets one random bit of one random
-element flipped (``collectors.canary.Faults`` output hook, seeded). Everything else is the
+element flipped (``collectors.canary.CanaryFaults`` output hook, seeded). Everything else is the
 real path:
 
 - rank 0 also hosts a real ``Service`` over a fresh SQLite store (migrated); the ranks' step
@@ -59,14 +59,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from canary_sensitivity import flip_bit
 
-from collectors.canary import CanaryConfig, Faults, describe_stack, run_canary, stack_key
+from collectors.canary import CanaryConfig, CanaryFaults, describe_stack, run_canary, stack_key
 from collectors.wire import encode_batch, to_wire
-from monitor import migrate, models, queries
-from monitor.api import validate_batch
+from monitor.api.routes import validate_batch
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine, resolve_url
-from monitor.decisions import list_proposals
+from monitor.recovery.decisions import list_proposals
 from monitor.service import Service
+from monitor.store import migrate, models, queries
+from monitor.store.db import create_store_engine, resolve_url
 
 WORLD = 4
 CPU = torch.device("cpu")
@@ -77,7 +77,7 @@ RUN_NAME = "faulty-device"
 
 @dataclass
 class MarginalCore:
-    """A ``Faults.output`` hook: each GEMM output, with probability ``rate`` per call, gets one
+    """A ``CanaryFaults.output`` hook: each GEMM output, with probability ``rate`` per call, gets one
     random bit of one random element flipped; the flips of the current canary are kept."""
 
     rate: float
@@ -247,7 +247,7 @@ class Coordinator:
 
     def quarantined(self) -> list[str]:
         """Devices a pending node quarantine proposal names (a persistent mismatch, or a second
-        transient one on the same device: ``monitor.evidence``)."""
+        transient one on the same device: ``monitor.recovery.evidence``)."""
         with self.engine.connect() as connection:
             rows = connection.execute(
                 sa.select(models.Proposal.quarantine_device).where(
@@ -355,7 +355,7 @@ def canary_record(
     if core is not None:
         core.begin()
     golden = order.golden.get(stack_key(stack))
-    faults = Faults(output=core) if core is not None else None
+    faults = CanaryFaults(output=core) if core is not None else None
     outcome = run_canary(CPU, CanaryConfig(), golden, faults, stack)
     return {
         "kind": "canary_result",

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from collectors.canary import KERNELS, CanaryConfig, Faults, SuiteRun, run_suite
+from collectors.canary import KERNELS, CanaryConfig, CanaryFaults, SuiteRun, run_suite
 from policies.canary import CanaryConfig as ComparisonConfig
 from policies.canary import float32_ulps
 
@@ -85,7 +85,7 @@ def probe_inputs(device: torch.device, config: CanaryConfig) -> dict[str, list[t
         seen[kernel].append((dtype_name(tensor.dtype), tensor.numel()))
         return tensor
 
-    run_suite(device, config, Faults(inputs=record))
+    run_suite(device, config, CanaryFaults(inputs=record))
     return dict(seen)
 
 
@@ -209,7 +209,7 @@ def input_cell(
     for _ in range(trials):
         bit = rng.choice(BIT_CLASSES[dtype][bit_class])
         flip = InputFlip(kernel, rng.randrange(len(inputs)), bit, rng)
-        run = run_suite(device, config, Faults(inputs=flip))
+        run = run_suite(device, config, CanaryFaults(inputs=flip))
         changed = run.kernels[kernel].fingerprint != clean.kernels[kernel].fingerprint
         collateral = any(run.kernels[k] != clean.kernels[k] for k in KERNELS if k != kernel)
         cell.add(bit, changed, summary_ulps(run, clean, kernel), flip, collateral)
@@ -222,7 +222,7 @@ def output_flips(
     seen = {}
     for kernel in KERNELS:
         changed = sum(
-            run_suite(device, config, Faults(output=OutputFlip(kernel, rng))).kernels[kernel].fingerprint
+            run_suite(device, config, CanaryFaults(output=OutputFlip(kernel, rng))).kernels[kernel].fingerprint
             != clean.kernels[kernel].fingerprint
             for _ in range(trials)
         )

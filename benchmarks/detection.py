@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from realcurves import Case, bigscience_cases, clean_controls
 from scenarios import Outcome, run_corpus
 
-from policies.replay import replay_series
+from policies.backtest import replay_series
 from policies.series import SeriesConfig
 
 

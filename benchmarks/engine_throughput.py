@@ -20,11 +20,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from monitor import migrate, queries
-from monitor.api import validate_batch
+from monitor.api.routes import validate_batch
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine, resolve_url
 from monitor.service import Service
+from monitor.store import migrate, queries
+from monitor.store.db import create_store_engine, resolve_url
 
 
 def window(incarnation: str, ranks: int, attempt: int) -> list[dict[str, Any]]:

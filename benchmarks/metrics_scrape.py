@@ -25,12 +25,12 @@ from typing import Any
 import sqlalchemy as sa
 from prometheus_client.exposition import generate_latest
 
-from monitor import migrate, models, queries
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine, resolve_url
-from monitor.metrics import MetricsConfig, metrics_registry
-from monitor.schemas import BatchIn
+from monitor.ingest.schemas import BatchIn
+from monitor.observe.metrics import MetricsConfig, metrics_registry
 from monitor.service import Service
+from monitor.store import migrate, models, queries
+from monitor.store.db import create_store_engine, resolve_url
 
 GPUS_PER_NODE = 8
 

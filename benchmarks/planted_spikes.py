@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realcurves import clean_controls
 
-from policies.replay import replay_series
+from policies.backtest import replay_series
 from policies.series import SeriesConfig
 from policies.types import StepPoint
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from monitor.backtest import load_series, normalize, series_points
+from monitor.judge.backtest import load_series, normalize, series_points
 from policies.types import StepPoint
 
 CURVES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real-curves"

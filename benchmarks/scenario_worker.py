@@ -50,7 +50,7 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class Faults:
+class CanaryFaults:
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.rank = rank
         self.nan = pair(args.nan)
@@ -89,7 +89,7 @@ def overflow_gradients(net: torch.nn.Module) -> list[Any]:
 def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
     task = TASKS[args.task]
     torch.manual_seed(args.seed)
-    faults = Faults(args, rank)
+    faults = CanaryFaults(args, rank)
     restart = args.restart.split(":") if args.restart else None
     net = DistributedDataParallel(task.model())
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)

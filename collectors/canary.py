@@ -108,7 +108,7 @@ class CanaryOutcome:
 
 
 @dataclass
-class Faults:
+class CanaryFaults:
     inputs: TensorHook | None = None
     output: TensorHook | None = None
 
@@ -222,11 +222,11 @@ def _kernels(
     rows, cols = config.gpu_softmax if gpu else config.cpu_softmax
     elementwise = config.gpu_elementwise if gpu else config.cpu_elementwise
 
-    def inputs(name: str, faults: Faults, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def inputs(name: str, faults: CanaryFaults, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return [faults.inputs(name, t) if faults.inputs else t for t in tensors]
 
     def gemm(dtype: torch.dtype, name: str) -> Callable[[torch.Generator, Faults], torch.Tensor]:
-        def run(g: torch.Generator, faults: Faults) -> torch.Tensor:
+        def run(g: torch.Generator, faults: CanaryFaults) -> torch.Tensor:
             a = torch.randn(n, n, generator=g, device=device).to(dtype)
             b = torch.randn(n, n, generator=g, device=device).to(dtype)
             a, b = inputs(name, faults, a, b)
@@ -234,15 +234,15 @@ def _kernels(
 
         return run
 
-    def reduce(g: torch.Generator, faults: Faults) -> torch.Tensor:
+    def reduce(g: torch.Generator, faults: CanaryFaults) -> torch.Tensor:
         (x,) = inputs("reduction_fp32", faults, torch.randn(reduction, generator=g, device=device))
         return torch.stack([x.sum(), (x * x).sum(), x.abs().max()])
 
-    def softmax(g: torch.Generator, faults: Faults) -> torch.Tensor:
+    def softmax(g: torch.Generator, faults: CanaryFaults) -> torch.Tensor:
         (x,) = inputs("softmax_fp32", faults, torch.randn(rows, cols, generator=g, device=device) * 4)
         return torch.softmax(x, dim=-1)
 
-    def chain(g: torch.Generator, faults: Faults) -> torch.Tensor:
+    def chain(g: torch.Generator, faults: CanaryFaults) -> torch.Tensor:
         x, y = inputs(
             "elementwise_fp32",
             faults,
@@ -260,11 +260,11 @@ def _kernels(
     }
 
 
-def run_suite(device: torch.device, config: CanaryConfig, faults: Faults | None = None) -> SuiteRun:
+def run_suite(device: torch.device, config: CanaryConfig, faults: CanaryFaults | None = None) -> SuiteRun:
     """One run of every kernel, each from its own seeded generator on the device."""
     import torch
 
-    faults = faults or Faults()
+    faults = faults or CanaryFaults()
     outputs: dict[str, KernelOutput] = {}
     started = time.perf_counter()
     with canary_numerics():
@@ -283,7 +283,7 @@ def run_canary(
     device: torch.device,
     config: CanaryConfig,
     golden: Mapping[str, str] | None = None,
-    faults: Faults | None = None,
+    faults: CanaryFaults | None = None,
     stack: dict[str, Any] | None = None,
 ) -> CanaryOutcome:
     """Run the suite; when a kernel misses its golden fingerprint, re-run at once on the same

@@ -19,7 +19,7 @@ from collectors.spool import SpoolConfig
 from collectors.tokens import IGNORE_INDEX
 from collectors.transport import TransportConfig
 
-SERVICE_SAMPLE_ID_LIMIT = 100_000  # monitor.schemas.StepIn.sample_ids
+SERVICE_SAMPLE_ID_LIMIT = 100_000  # monitor.ingest.schemas.StepIn.sample_ids
 
 
 class ConfigError(ValueError):

@@ -15,7 +15,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Faults:
+class EntryErrors:
     """Exceptions caught at entry points: each counted, each place's first one logged."""
 
     def __init__(self, counters: Counters) -> None:
@@ -31,7 +31,7 @@ class Faults:
 
 
 class HasFaults(Protocol):
-    faults: Faults
+    faults: EntryErrors
 
 
 S = TypeVar("S", bound=HasFaults)

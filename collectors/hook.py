@@ -48,7 +48,7 @@ from collectors.config import RunHealthConfig
 from collectors.counters import Counters
 from collectors.directives import IMMEDIATE, Armory, Consensus, Directive
 from collectors.embedded import mark_done
-from collectors.guard import Faults, guarded
+from collectors.guard import EntryErrors, guarded
 from collectors.layout import Identity, discover_identity, resolve_device
 from collectors.markers import marker_factory
 from collectors.phases import Phase, PhaseClock, stamps_for
@@ -123,7 +123,7 @@ class RunHealth:
         self._environ = dict(os.environ if environ is None else environ)  # the one read
         self.config = config or RunHealthConfig.from_environ(self._environ)
         self._counters = Counters()
-        self.faults = Faults(self._counters)
+        self.faults = EntryErrors(self._counters)
         self._clock = clock
         self._hostname = hostname
         self._layout_args = (mesh, groups, device)

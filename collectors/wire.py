@@ -1,6 +1,6 @@
 """Records on the wire: JSON, with nonfinite floats written as names.
 
-The service (``monitor.floats``) reads ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` where a
+The service (``monitor.store.floats``) reads ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` where a
 number is expected; standard JSON has no token for them, and a NaN loss is the very signal
 runhealth exists to catch, so they must survive the trip.
 """

@@ -1,4 +1,4 @@
-"""Alembic environment: runs on the connection ``monitor.migrate`` hands it."""
+"""Alembic environment: runs on the connection ``monitor.store.migrate`` hands it."""
 
 from __future__ import annotations
 
@@ -6,15 +6,13 @@ from typing import Any
 
 from alembic import context
 
-from monitor.models import Base, Float64
+from monitor.store.models import Base, Float64
 
 # Tables other components own (APScheduler's job store) stay out of our history.
 EXCLUDED_TABLES = frozenset({"apscheduler_jobs"})
 
 
-def include_object(
-    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
-) -> bool:
+def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
     return not (type_ == "table" and name in EXCLUDED_TABLES)
 
 

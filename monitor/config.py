@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitor.actions import ActionConfig
-from monitor.canaries import CanaryServiceConfig
-from monitor.decisions import DecisionConfig
-from monitor.engine import EngineConfig
-from monitor.metrics.config import MetricsConfig
+from monitor.judge.canaries import CanaryServiceConfig
+from monitor.judge.engine import EngineConfig
+from monitor.observe.metrics.config import MetricsConfig
+from monitor.recovery.decisions import DecisionConfig
+from monitor.recovery.quarantine import ActionConfig
 from policies.devices import DevicesConfig
 from policies.hangs import HangConfig
 

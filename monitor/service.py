@@ -12,19 +12,19 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor import queries
-from monitor.canaries import CanaryWatch
 from monitor.config import ServiceConfig
-from monitor.decisions import Decisions
-from monitor.engine import PolicyEngine
-from monitor.fleet import FleetWatch
-from monitor.hangs import HangWatch
-from monitor.ingest import IngestResult, ingest_batch
-from monitor.metrics.sources import MetricSources
-from monitor.stages import StageSpans
-from monitor.summaries import fold_new_steps
-from monitor.tokens import digest_matches
-from monitor.tracing import EVALUATE, INGEST, Tracing
+from monitor.ingest.batches import IngestResult, ingest_batch
+from monitor.judge.canaries import CanaryWatch
+from monitor.judge.engine import PolicyEngine
+from monitor.judge.fleet import FleetWatch
+from monitor.judge.hangs import HangWatch
+from monitor.judge.summaries import fold_new_steps
+from monitor.observe.metrics.sources import MetricSources
+from monitor.observe.stages import StageSpans
+from monitor.observe.tracing import EVALUATE, INGEST, Tracing
+from monitor.recovery.decisions import Decisions
+from monitor.store import queries
+from monitor.store.tokens import digest_matches
 
 log = logging.getLogger("runhealth.service")
 
@@ -57,7 +57,7 @@ class Service:
         self.counters: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
         # Observability: spans (off unless configured), and what /metrics reads beyond the store
-        # and this object, set by the components that own it (monitor.metrics.MetricSources).
+        # and this object, set by the components that own it (monitor.observe.metrics.MetricSources).
         self.tracing = tracing if tracing is not None else Tracing.off()
         self.stages = StageSpans(self.tracing, engine)
         self.metric_sources = MetricSources()

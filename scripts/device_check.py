@@ -83,7 +83,7 @@ import torch  # noqa: E402
 from collectors.canary import (  # noqa: E402
     KERNELS,
     CanaryConfig,
-    Faults,
+    CanaryFaults,
     SuiteRun,
     _fingerprint,  # what run_suite calls on each output: timed apart
     describe_stack,
@@ -176,8 +176,8 @@ class DeviceClock:
         self.marks[kernel].append(self._mark())
         return tensor
 
-    def faults(self) -> Faults:
-        return Faults(inputs=self.inputs, output=self.output)
+    def faults(self) -> CanaryFaults:
+        return CanaryFaults(inputs=self.inputs, output=self.output)
 
     def compute_ms(self) -> dict[str, float]:
         if self.cuda:
@@ -289,7 +289,7 @@ def _flip_caught(
     import random
 
     flip = sensitivity.OutputFlip("gemm_bf16", random.Random(5))
-    outcome = run_canary(device, config, golden=golden, faults=Faults(output=flip))
+    outcome = run_canary(device, config, golden=golden, faults=CanaryFaults(output=flip))
     return {
         "missed": list(outcome.missed),
         "rerun": outcome.rerun is not None,

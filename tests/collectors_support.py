@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 
 from collectors.transport import Delivery, Outcome
 from collectors.wire import Record, encode_batch
-from monitor.schemas import BatchIn
+from monitor.ingest.schemas import BatchIn
 from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[1]

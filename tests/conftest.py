@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import URL, Engine
 
-from monitor import migrate
-from monitor.api import create_app
+from monitor.api.routes import create_app
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine
 from monitor.service import Service
+from monitor.store import migrate
+from monitor.store.db import create_store_engine
 from tests.prometheus_support import RULES, PrometheusServer
 from tests.support import ADMIN_TOKEN, PostgresServer, RunHandle, make_run, require_module
 

@@ -25,11 +25,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from monitor import cli, queries
-from monitor.directives import create_directive
-from monitor.models import Base
-from monitor.schemas import BatchIn
+from monitor import cli
+from monitor.ingest.schemas import BatchIn
+from monitor.recovery.directives import create_directive
 from monitor.service import Service
+from monitor.store import queries
+from monitor.store.models import Base
 
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
 POSTGRES_USER = "postgres"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from monitor.metrics import names
+from monitor.observe.metrics import names
 from tests.support import require_binary, require_module
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from monitor import models
-from monitor.api import create_app
+from monitor.api.routes import create_app
 from monitor.config import IngestConfig, ServiceConfig
-from monitor.ingest import KEYED_TABLES
-from monitor.schemas import RECORD_KINDS
+from monitor.ingest.batches import KEYED_TABLES
+from monitor.ingest.schemas import RECORD_KINDS
 from monitor.service import Service
+from monitor.store import models
 from tests.support import (
     ADMIN_TOKEN,
     INCARNATION,

@@ -7,7 +7,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from monitor.backtest import BacktestError, backtest, load_series, parse_mapping, report_json
+from monitor.judge.backtest import BacktestError, backtest, load_series, parse_mapping, report_json
 from policies.series import SeriesConfig
 
 CURVES = Path(__file__).parent / "data" / "real-curves"

@@ -8,18 +8,18 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy.engine import Engine
 
-from collectors.canary import CanaryConfig, Faults, run_canary, run_suite
-from monitor import models, queries
+from collectors.canary import CanaryConfig, CanaryFaults, run_canary, run_suite
 from monitor.config import ServiceConfig
-from monitor.decisions import list_proposals
+from monitor.recovery.decisions import list_proposals
 from monitor.service import Service
+from monitor.store import models, queries
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post
 
 CPU = torch.device("cpu")
 SMALL = CanaryConfig(cpu_gemm=64, cpu_reduction=1 << 14, cpu_softmax=(4, 1024), cpu_elementwise=1 << 12)
 
 
-def corrupting(rng: random.Random) -> Faults:
+def corrupting(rng: random.Random) -> CanaryFaults:
     def output(kernel: str, tensor: torch.Tensor) -> torch.Tensor:
         if kernel != "gemm_fp32":
             return tensor
@@ -27,7 +27,7 @@ def corrupting(rng: random.Random) -> Faults:
         flat[rng.randrange(flat.numel())] ^= 1 << 30
         return flat.view(torch.float32).view(tensor.shape)
 
-    return Faults(output=output)
+    return CanaryFaults(output=output)
 
 
 def round_records(
@@ -139,7 +139,7 @@ def test_one_transient_mismatch_is_a_warning_without_quarantine(
             return tensor * 2
         return tensor
 
-    post(service, run, round_records(10, golden, {1: Faults(output=first_call_only)}))
+    post(service, run, round_records(10, golden, {1: CanaryFaults(output=first_call_only)}))
     (incident,) = incidents(store, run)
     assert incident["severity"] == "warning"
     with store.connect() as connection:

@@ -8,7 +8,7 @@ import torch
 from collectors.canary import (
     KERNELS,
     CanaryConfig,
-    Faults,
+    CanaryFaults,
     canary_numerics,
     describe_stack,
     run_canary,
@@ -38,7 +38,7 @@ def test_the_trainers_numerics_are_restored() -> None:
         torch.set_float32_matmul_precision("highest")
 
 
-def flip_one_bit(rng: random.Random) -> Faults:
+def flip_one_bit(rng: random.Random) -> CanaryFaults:
     def output(kernel: str, tensor: torch.Tensor) -> torch.Tensor:
         if kernel != "gemm_fp32":
             return tensor
@@ -47,7 +47,7 @@ def flip_one_bit(rng: random.Random) -> Faults:
         flat[index] ^= 1 << rng.randrange(32)
         return flat.view(torch.float32).view(tensor.shape)
 
-    return Faults(output=output)
+    return CanaryFaults(output=output)
 
 
 def test_a_flipped_output_bit_misses_golden_and_is_re_run_at_once() -> None:

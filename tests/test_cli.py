@@ -8,11 +8,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from monitor import migrate, queries
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine, resolve_url
-from monitor.schemas import BatchIn
+from monitor.ingest.schemas import BatchIn
 from monitor.service import Service
+from monitor.store import migrate, queries
+from monitor.store.db import create_store_engine, resolve_url
 from tests.support import cli_result
 
 CURVES = Path(__file__).parent / "data" / "real-curves"

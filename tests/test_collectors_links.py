@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from collectors.links import LinkReader, read_port
-from monitor.schemas import LinkSampleIn
+from monitor.ingest.schemas import LinkSampleIn
 
 U8, U16, U32 = 0xFF, 0xFFFF, 0xFFFF_FFFF
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from collectors.nvml import NvmlReader, describe, parse_cuda_visible_devices
-from monitor.schemas import DeviceSampleIn
+from monitor.ingest.schemas import DeviceSampleIn
 
 ROOT = Path(__file__).resolve().parents[1]
 

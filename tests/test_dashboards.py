@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from monitor import dashboards
-from monitor.metrics import names
+from monitor.observe import dashboards
+from monitor.observe.metrics import names
 from tests.support import require_binary, require_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +36,20 @@ def test_the_committed_dashboards_are_what_the_code_generates(tmp_path: Path) ->
     fresh = {path.name: path.read_text() for path in sorted(tmp_path.glob("*.json"))}
     stale = [name for name, text in fresh.items() if (COMMITTED / name).read_text() != text]
     assert set(fresh) == {p.name for p in COMMITTED.glob("*.json")}
-    assert not stale, f"regenerate: python -m monitor.dashboards --write deploy/grafana/dashboards ({stale})"
+    assert not stale, (
+        f"regenerate: python -m monitor.observe.dashboards --write deploy/grafana/dashboards ({stale})"
+    )
 
 
 def test_the_module_entry_point_writes_the_dashboards(tmp_path: Path) -> None:
     done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), "-m", "monitor.dashboards", "--write", str(tmp_path)],
+        [
+            str(ROOT / ".venv" / "bin" / "python"),
+            "-m",
+            "monitor.observe.dashboards",
+            "--write",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

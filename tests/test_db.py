@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from monitor.db import (
+from monitor.store.db import (
     DEFAULT_DB_FILE,
     StoreError,
     check_local_disk,

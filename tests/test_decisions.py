@@ -11,13 +11,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor import audit, models, queries
-from monitor.actions import ActionConfig
+from monitor.api.server import BackgroundServer
 from monitor.config import ServiceConfig
-from monitor.decisions import DecisionConfig, list_proposals
-from monitor.operators import add_operator, revoke_operator
-from monitor.server import BackgroundServer
+from monitor.recovery.decisions import DecisionConfig, list_proposals
+from monitor.recovery.quarantine import ActionConfig
 from monitor.service import Service
+from monitor.store import audit, models, queries
+from monitor.store.operators import add_operator, revoke_operator
 from policies.proposals import ProposalConfig
 from policies.retries import RetryConfig
 from tests.support import (

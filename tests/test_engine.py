@@ -6,11 +6,11 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from monitor import migrate, models, queries
 from monitor.config import ServiceConfig
-from monitor.db import create_store_engine, resolve_url
-from monitor.schemas import BatchIn
+from monitor.ingest.schemas import BatchIn
 from monitor.service import Service
+from monitor.store import migrate, models, queries
+from monitor.store.db import create_store_engine, resolve_url
 
 INCARNATION = str(uuid.uuid4())
 
@@ -166,7 +166,7 @@ def test_consecutive_spikes_are_one_incident_and_late_records_open_nothing_new(t
 
 
 def test_hook_settings_are_read_only_when_usable() -> None:
-    from monitor.hook_settings import stated
+    from monitor.store.hook_settings import stated
 
     assert stated({"runhealth_hook": {"flush_s": 0.5, "agree_every": 4}}, "flush_s") == 0.5
     assert stated({"runhealth_hook": {"agree_every": 4}}, "agree_every") == 4.0

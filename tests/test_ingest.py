@@ -1,5 +1,5 @@
-"""Writing validated batches (``monitor.ingest``) and folding ranks into per-window summaries
-(``monitor.summaries``), on a real connection."""
+"""Writing validated batches (``monitor.ingest.batches``) and folding ranks into per-window summaries
+(``monitor.judge.summaries``), on a real connection."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor import models
-from monitor.ingest import ConflictError, IngestResult, content_hash, ingest_batch
-from monitor.schemas import RECORD_KINDS, BatchIn
-from monitor.summaries import empty_summary, fold, fold_new_steps
+from monitor.ingest.batches import ConflictError, IngestResult, content_hash, ingest_batch
+from monitor.ingest.schemas import RECORD_KINDS, BatchIn
+from monitor.judge.summaries import empty_summary, fold, fold_new_steps
+from monitor.store import models
 from tests.support import (
     INCARNATION,
     RunHandle,

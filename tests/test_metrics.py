@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from monitor import models
-from monitor.api import create_app
+from monitor.api.routes import create_app
 from monitor.config import ConfigError, ServiceConfig
-from monitor.metrics import CanaryVerdict, MetricsConfig, RunHealthCollector, names
-from monitor.metrics.state import top_stragglers
+from monitor.observe.metrics import CanaryVerdict, MetricsConfig, RunHealthCollector, names
+from monitor.observe.metrics.state import top_stragglers
 from monitor.service import Service
+from monitor.store import models
 from policies.stragglers import StragglerConfig, StragglerState, straggler_scores
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, make_run, post
 
@@ -405,7 +405,7 @@ def test_top_stragglers_are_the_policys_highest_scores(seed: int) -> None:
 
 
 def add_canary(store: Engine, run: RunHandle, rank: int, step: int, verdict: str | None) -> None:
-    """A canary result as monitor.canaries leaves it once judged (``verdict`` None: not yet)."""
+    """A canary result as monitor.judge.canaries leaves it once judged (``verdict`` None: not yet)."""
     row = {
         "run_id": run.id,
         "incarnation": INCARNATION,

@@ -18,9 +18,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Engine
 
-from monitor import migrate
-from monitor.db import create_store_engine
-from monitor.models import Base
+from monitor.store import migrate
+from monitor.store.db import create_store_engine
+from monitor.store.models import Base
 from tests.support import both_backends, require_binary, run_cli
 
 IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]

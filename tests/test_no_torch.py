@@ -14,9 +14,11 @@ SCRIPT = textwrap.dedent(
         sys.modules[name] = None  # `import torch` now raises ImportError, as if not installed
     import json, uuid
     from monitor.cli import main
-    from monitor import api, server, engine, migrate, queries, export  # noqa: F401
-    from monitor.db import create_store_engine, resolve_url
-    from monitor.schemas import BatchIn
+    from monitor.api.routes import routes as api, server# noqa: F401
+    from monitor.judge import engine
+    from monitor.store import migrate, queries, export
+    from monitor.store.db import create_store_engine, resolve_url
+    from monitor.ingest.schemas import BatchIn
     from monitor.service import Service
     from monitor.config import ServiceConfig
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from monitor.schemas import DeviceSampleIn, LinkSampleIn
+from monitor.ingest.schemas import DeviceSampleIn, LinkSampleIn
 from policies.devices import (
     ClockConfig,
     CounterRates,

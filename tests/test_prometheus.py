@@ -31,7 +31,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from monitor import dashboards
+from monitor.observe import dashboards
 from tests.prometheus_support import RULES, PrometheusServer, ServeProcess
 from tests.support import free_port, require_module
 
@@ -115,12 +115,12 @@ class Canaries:
         self.flips = random.Random(1)
 
     def round(self, step: int, incarnation: str, fleet: Fleet) -> list[dict[str, Any]]:
-        from collectors.canary import Faults, run_canary
+        from collectors.canary import CanaryFaults, run_canary
 
         records = []
         for rank in range(WORLD):
             faulty = rank == MARGINAL_RANK and self.golden is not None
-            faults = Faults(output=self._flip) if faulty else None
+            faults = CanaryFaults(output=self._flip) if faulty else None
             outcome = run_canary(self.torch.device("cpu"), self.config, golden=self.golden, faults=faults)
             records.append(
                 {

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from monitor import audit, queries
-from monitor.db import create_store_engine, resolve_url
-from monitor.decisions import list_proposals
-from monitor.operators import add_operator
+from monitor.recovery.decisions import list_proposals
+from monitor.store import audit, queries
+from monitor.store.db import create_store_engine, resolve_url
+from monitor.store.operators import add_operator
 from tests.collectors_support import (
     ServeProcess,
     child_environ,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from monitor.server import bind
+from monitor.api.server import bind
 
 
 def test_connections_on_the_service_socket_send_without_nagle_delays() -> None:

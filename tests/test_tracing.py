@@ -14,12 +14,9 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from sqlalchemy.engine import Engine
 
 from monitor.config import ConfigError, ServiceConfig
-from monitor.decisions import list_proposals
-from monitor.directives import create_directive
-from monitor.engine import EngineConfig
-from monitor.service import Service
-from monitor.stages import incident_ref
-from monitor.tracing import (
+from monitor.judge.engine import EngineConfig
+from monitor.observe.stages import incident_ref
+from monitor.observe.tracing import (
     ACKNOWLEDGEMENT,
     APPROVAL,
     DIRECTIVE,
@@ -32,6 +29,9 @@ from monitor.tracing import (
     Tracing,
     derived_context,
 )
+from monitor.recovery.decisions import list_proposals
+from monitor.recovery.directives import create_directive
+from monitor.service import Service
 from policies.hangs import HangConfig
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, checkpoint, post, spiky_windows
 

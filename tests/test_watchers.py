@@ -5,11 +5,11 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Engine
 
-from monitor import queries
 from monitor.config import ServiceConfig
-from monitor.directives import pending_for
-from monitor.engine import EngineConfig
+from monitor.judge.engine import EngineConfig
+from monitor.recovery.directives import pending_for
 from monitor.service import Service
+from monitor.store import queries
 from policies.hangs import HangConfig
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post
 

@@ -38,10 +38,10 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
-from monitor import audit, migrate, queries
-from monitor.db import create_store_engine, resolve_url
-from monitor.decisions import list_proposals
-from monitor.operators import add_operator
+from monitor.recovery.decisions import list_proposals
+from monitor.store import audit, migrate, queries
+from monitor.store.db import create_store_engine, resolve_url
+from monitor.store.operators import add_operator
 
 DEMO_DIR = Path("runhealth-demo")
 

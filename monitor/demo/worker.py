@@ -2,7 +2,7 @@
 
 A DDP model on gloo trains with the RunHealth hook, checkpoints every ``--checkpoint-every``
 updates (files, manifest, data cursor), and carries out a rollback directive when the hook
-stops it: restore the named checkpoint, skip the named batches, resume. Faults, each as it
+stops it: restore the named checkpoint, skip the named batches, resume. Canaryfaults, each as it
 would happen for real:
 
 - ``--corrupt R:I``: rank R's batch I is noise (a bad data shard: replays reproduce it);
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig, build_manifest
-from collectors.canary import Faults
+from collectors.canary import CanaryFaults
 from monitor.demo.tasks import TASKS, Task, loss_of, pair
 
 
@@ -157,7 +157,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
     def canary_output(kernel: str, tensor: torch.Tensor) -> torch.Tensor:
         return corrupt_gemm(tensor) if kernel == "gemm_fp32" and now["step"] >= args.faulty_from else tensor
 
-    canary_faults = Faults(output=canary_output)
+    canary_faults = CanaryFaults(output=canary_output)
     config = hook_config(environ, canary_on_checkpoint=args.faulty_rank is not None)
     run_config = (
         {"task": args.task, "replay_command": args.replay_command}

@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI) and running it under uvicorn."""

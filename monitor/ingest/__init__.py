@@ -1,0 +1,1 @@
+"""Ingest: the wire schemas and writing one validated batch, all or nothing."""

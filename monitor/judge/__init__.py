@@ -1,0 +1,1 @@
+"""Judging: the engine over windows, summaries, incidents, hangs, devices, canaries, resumes."""

@@ -1,0 +1,442 @@
+"""The engine: judges each window once its ranks have reported, records findings, and
+groups them into incidents.
+
+Policies are pure (``policies/``); this module feeds them in step order, keeps their state
+per run in memory (rebuilt from the newest judged windows after a restart, never from all
+of history), and persists what they find. Whole-step signals are judged once per window;
+per-rank signals are vectorised over the window's records.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from monitor.judge.incidents import IncidentRecorder
+from monitor.judge.resumes import judge_resumes
+from monitor.store import hook_settings, models, queries
+from policies.hangs import HangConfig
+from policies.numerics import nonfinite_findings
+from policies.peers import RankWindow
+from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
+from policies.series import SeriesConfig, SeriesState, observe_step
+from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers
+from policies.types import Finding, Severity, StepPoint
+
+SUMMARY = models.table_of(models.StepSummary)
+STEP = models.table_of(models.StepRecord)
+INCARNATION = models.table_of(models.Incarnation)
+
+RANK_COLUMNS = (
+    "incarnation", "rank", "attempt", "step", "node", "device_uuid", "tp_rank", "pp_rank", "cp_rank",
+    "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
+    "data_wait_s", "forward_s", "backward_s", "optimizer_s",
+)  # fmt: skip
+
+# More ranks than this nonfinite in one window is reported as a count, not rank by rank.
+MAX_NAMED_RANKS = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine decides a window is ready to judge, and every policy's config.
+
+    ``watermark_attempts`` and ``watermark_s``: a window is judged with the ranks it has once
+    a window this many attempts later has arrived and the newest record's time is this many
+    seconds past the window's, so a dead rank cannot stall judgement; and the window itself has
+    waited that long at this service (its first sighting, by the service's clock), so ranks
+    replaying their spools after an outage are not given up on while they catch up. Each rank's sender
+    batches records for up to its flush interval, so in steady state some rank is routinely
+    that far behind the others: ``watermark_s`` is ``watermark_flushes`` (2) of the interval the
+    run's hook states in its run_start record plus ``watermark_slack_s`` (1 s), else
+    ``watermark_s`` (5 s: the hook's default 2 s interval). Attempts alone judged a quarter of
+    a 4-rank scenario's windows without their late rank, which hid a corrupted batch.
+    ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
+    does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
+    ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
+    work, so a backlog never holds SQLite's write lock near its 10 s busy timeout).
+    """
+
+    series: SeriesConfig = field(default_factory=SeriesConfig)
+    rank_loss: RankLossConfig = field(default_factory=RankLossConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    hangs: HangConfig = field(default_factory=HangConfig)
+    watermark_attempts: int = 2
+    watermark_s: float = 5.0
+    watermark_flushes: float = 2.0
+    watermark_slack_s: float = 1.0
+    cached_windows: int = 1024
+    judge_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if self.watermark_attempts < 1 or self.cached_windows < 1 or self.judge_chunk < 1:
+            raise ValueError("EngineConfig: watermark_attempts, cached_windows and judge_chunk must be >= 1")
+        if self.watermark_s < 0 or self.watermark_flushes < 0 or self.watermark_slack_s < 0:
+            raise ValueError(
+                "EngineConfig: watermark_s, watermark_flushes and watermark_slack_s must be >= 0"
+            )
+
+
+def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
+    tokens = summary["tokens"]
+    loss_sum = summary["loss_sum"]
+    reported = (
+        summary["reported_loss_sum"] / summary["reported_loss_count"]
+        if summary["reported_loss_count"]
+        else None
+    )
+    if tokens and loss_sum is not None:
+        loss: float | None = loss_sum / tokens  # the token-weighted mean over all ranks
+    else:
+        loss = reported
+    rank_means = summary.get("rank_mean_count") or 0
+    return StepPoint(
+        step=summary["step"],
+        loss=loss,
+        grad_norm=summary["grad_norm"],
+        lr=summary["lr"],
+        tokens=tokens,
+        loss_scale=summary["loss_scale"],
+        skipped=summary["skipped_ranks"] > 0,
+        incarnation=summary["incarnation"],
+        attempt=summary["attempt"],
+        restart=restart,
+        consumed=summary["consumed"],
+        ranks=summary["ranks_reported"],
+        reported_loss=reported,
+        naive_loss=summary["rank_mean_sum"] / rank_means if rank_means else None,
+        min_rank_tokens=summary.get("min_rank_tokens"),
+        max_rank_tokens=summary.get("max_rank_tokens"),
+    )
+
+
+@dataclass
+class _RunState:
+    series: SeriesState
+    rank_loss: RankLossState
+    stragglers: StragglerState = field(default_factory=StragglerState)
+    last_incarnation: str | None = None
+    last_step: int = 0
+    world_size: dict[str, int] = field(default_factory=dict)
+    declared: set[str] = field(default_factory=set)  # world size from the run-start record
+    watermark_s: dict[str, float] = field(default_factory=dict)
+    pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
+    # When this service first saw each window still unjudged (its clock): see ``_ready``.
+    arrived: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+class PolicyEngine:
+    """Runs the policies over each run's windows as they become complete."""
+
+    def __init__(self, engine: Engine, config: EngineConfig, clock: Callable[[], float]) -> None:
+        self._engine = engine
+        self._config = config
+        self._clock = clock
+        self._states: dict[int, _RunState] = {}
+        self._lock = threading.RLock()
+        self.incidents = IncidentRecorder(config.series.grouping, clock)
+        # Set by the service: adds device and link evidence to a straggler finding.
+        self.enrich_straggler: Callable[[int, Finding], Finding] = lambda _run, finding: finding
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    def last_step(self, run_id: int) -> int:
+        state = self._states.get(run_id)
+        return state.last_step if state is not None else 0
+
+    def note_steps(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Keep a batch's new step records for judging their windows without a read-back."""
+        with self._lock:
+            state = self._states.get(run_id)
+            if state is None:
+                return  # the first judge() rebuilds state and reads what it needs
+            for row in rows:
+                state.pending.setdefault((row["incarnation"], row["attempt"]), []).append(row)
+            while len(state.pending) > self._config.cached_windows:
+                state.pending.popitem(last=False)
+
+    def judge(self, run_id: int, now: float | None = None) -> list[int]:
+        """Judge every ready window of one run; returns the incidents opened or updated.
+
+        With ``now`` (the service's clock, from the periodic pass), a window whose newest
+        record is two watermarks old is ready too: a run that paused, waits for a decision or
+        ended sends nothing newer, and its last windows must not wait for ever.
+        """
+        touched: list[int] = []
+        with self._lock:
+            with self._engine.connect() as connection:
+                state = self._state(connection, run_id)
+                ready = self._ready(connection, run_id, state, now)
+            # A transaction per chunk: a backlog (a spool replayed, a skip storm) must not hold
+            # the store's write lock for long, or ingest waits behind it.
+            for start in range(0, len(ready), self._config.judge_chunk):
+                chunk = ready[start : start + self._config.judge_chunk]
+                with self._engine.begin() as connection:
+                    for summary in chunk:
+                        findings = self._judge_window(connection, run_id, state, summary)
+                        touched += self.incidents.record(connection, run_id, findings, summary["step"])
+                    connection.execute(
+                        SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in chunk])).values(judged=True)
+                    )
+        return sorted(set(touched))
+
+    def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Records whose window was judged before they arrived (replayed from a spool): judged
+        on their own and against their window's peers; their findings join open incidents."""
+        if not rows:
+            return []
+        with self._lock, self._engine.begin() as connection:
+            state = self._state(connection, run_id)
+            findings: list[Finding] = []
+            windows: dict[tuple[str, int], set[int]] = {}
+            for row in rows:
+                windows.setdefault((row["incarnation"], row["attempt"]), set()).add(row["rank"])
+            for (incarnation, attempt), ranks in windows.items():
+                window = RankWindow.from_records(self._window_rows(connection, run_id, incarnation, attempt))
+                findings += [f for f in _rank_nonfinite(window) if f.rank in ranks or f.rank is None]
+                _, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
+                findings += [f for f in outliers if f.rank in ranks]
+            return self.incidents.record(connection, run_id, findings, state.last_step)
+
+    def judge_resumes(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Each resume record against its checkpoint and what the run did after it."""
+        if not rows:
+            return []
+        with self._lock, self._engine.begin() as connection:
+            findings = judge_resumes(connection, run_id, rows, self._config.series.continuity)
+            # Found when the resume record arrived, before the resumed run's first window: the
+            # run stands at the step it resumed at, not at the abandoned one judged last.
+            detected = min((f.step for f in findings), default=self.last_step(run_id))
+            return self.incidents.record(connection, run_id, findings, detected)
+
+    def forget(self, run_id: int) -> None:
+        with self._lock:
+            self._states.pop(run_id, None)
+
+    def _state(self, connection: Connection, run_id: int) -> _RunState:
+        state = self._states.get(run_id)
+        if state is None:
+            state = self._rebuild(connection, run_id)
+            self._states[run_id] = state
+        return state
+
+    def _rebuild(self, connection: Connection, run_id: int) -> _RunState:
+        """Series state from the newest judged windows; per-rank state warms up anew."""
+        depth = self._config.series.loss_spike.window
+        rows = connection.execute(
+            sa.select(SUMMARY)
+            .where(SUMMARY.c.run_id == run_id, SUMMARY.c.judged.is_(True))
+            .order_by(SUMMARY.c.id.desc())
+            .limit(depth)
+        ).mappings()
+        state = _RunState(
+            series=SeriesState.empty(self._config.series),
+            rank_loss=RankLossState.empty(self._config.rank_loss),
+        )
+        for summary in reversed(list(rows)):
+            restart = state.last_incarnation not in (None, summary["incarnation"])
+            state.last_incarnation = summary["incarnation"]
+            state.last_step = summary["step"]
+            point = point_from_summary(dict(summary), restart)
+            state.series, _ = observe_step(state.series, point, self._config.series)
+        return state
+
+    def _judge_window(
+        self, connection: Connection, run_id: int, state: _RunState, summary: dict[str, Any]
+    ) -> list[Finding]:
+        restart = state.last_incarnation not in (None, summary["incarnation"])
+        point = point_from_summary(summary, restart)
+        state.last_incarnation = summary["incarnation"]
+        state.last_step = summary["step"]
+        state.series, found = observe_step(state.series, point, self._config.series)
+        findings = list(found)
+        key = (summary["incarnation"], summary["attempt"])
+        rows = state.pending.pop(key, None)
+        if rows is None or len(rows) != summary["ranks_reported"]:
+            rows = self._window_rows(connection, run_id, *key)
+        if rows:
+            window = RankWindow.from_records(rows)
+            findings += _rank_nonfinite(window)
+            state.rank_loss, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
+            state.stragglers, slow = observe_stragglers(state.stragglers, window, self._config.stragglers)
+            findings += list(outliers) + [self.enrich_straggler(run_id, f) for f in slow]
+        return findings
+
+    def _window_rows(
+        self, connection: Connection, run_id: int, incarnation: str, attempt: int
+    ) -> list[dict[str, Any]]:
+        query = sa.select(*[STEP.c[name] for name in RANK_COLUMNS]).where(
+            STEP.c.run_id == run_id, STEP.c.incarnation == incarnation, STEP.c.attempt == attempt
+        )
+        return [dict(row) for row in connection.execute(query).mappings()]
+
+    def waiting_runs(self) -> list[int]:
+        """Runs with windows not judged yet."""
+        with self._engine.connect() as connection:
+            return list(
+                connection.execute(
+                    sa.select(SUMMARY.c.run_id).where(SUMMARY.c.judged.is_(False)).distinct()
+                ).scalars()
+            )
+
+    def _ready(
+        self, connection: Connection, run_id: int, state: _RunState, now: float | None = None
+    ) -> list[dict[str, Any]]:
+        pending = [
+            dict(row)
+            for row in connection.execute(
+                sa.select(SUMMARY)
+                .where(SUMMARY.c.run_id == run_id, SUMMARY.c.judged.is_(False))
+                .order_by(SUMMARY.c.id)
+            ).mappings()
+        ]
+        if not pending:
+            return []
+        by_incarnation: dict[str, list[dict[str, Any]]] = {}
+        for summary in pending:
+            by_incarnation.setdefault(summary["incarnation"], []).append(summary)
+        self._learn_world_sizes(connection, run_id, state, by_incarnation)
+        ready: list[dict[str, Any]] = []
+        # A job that restarted sends nothing more for the incarnations before its newest, so their
+        # windows are ready now and judged first: after the new one's, they would look like one
+        # more restart.
+        order = self._start_order(connection, run_id, list(by_incarnation))
+        newest_incarnation = order[-1]
+        for incarnation in order:
+            summaries = by_incarnation[incarnation]
+            if incarnation != newest_incarnation:
+                ready += sorted(summaries, key=lambda s: s["attempt"])
+                continue
+            summaries.sort(key=lambda s: s["attempt"])
+            newest = summaries[-1]["attempt"]
+            newest_time = max(s["last_time"] for s in summaries)
+            expected = state.world_size.get(incarnation, 1)
+            wait_s = state.watermark_s.get(incarnation, self._config.watermark_s)
+            # A missing rank is given up on only once the window has also waited here that long:
+            # after an outage the ranks' spools are replayed in bursts, one rank's far ahead of
+            # the others', and record times alone would judge the windows between without the
+            # ranks still replaying (a bad batch on one of them went unseen). Every waiting
+            # window's first sighting is noted now, not when the loop reaches it, so a dead
+            # rank's windows are released together rather than one watermark apart.
+            seen_now = self._clock()
+            for summary in summaries:
+                state.arrived.setdefault((incarnation, summary["attempt"]), seen_now)
+            for summary in summaries:
+                complete = summary["ranks_reported"] >= expected
+                waited = seen_now - state.arrived[(incarnation, summary["attempt"])]
+                overtaken = waited >= wait_s and (
+                    (
+                        summary["attempt"] <= newest - self._config.watermark_attempts
+                        and newest_time - summary["last_time"] >= wait_s
+                    )
+                    or (now is not None and now - summary["last_time"] >= 2 * wait_s)
+                )
+                if not (complete or overtaken):
+                    break  # judge in order: a later window waits for this one
+                ready.append(summary)
+        for summary in ready:
+            state.arrived.pop((summary["incarnation"], summary["attempt"]), None)
+        return ready
+
+    def _start_order(self, connection: Connection, run_id: int, incarnations: list[str]) -> list[str]:
+        """Incarnations in the order they began (their run_start or first record); those the
+        store does not know yet keep their order of first pending window, after the known."""
+        known = dict(
+            connection.execute(
+                sa.select(INCARNATION.c.incarnation, INCARNATION.c.id).where(
+                    INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation.in_(incarnations)
+                )
+            ).all()
+        )
+        position = {inc: (0, known[inc]) if inc in known else (1, i) for i, inc in enumerate(incarnations)}
+        return sorted(incarnations, key=position.__getitem__)
+
+    def _learn_world_sizes(
+        self,
+        connection: Connection,
+        run_id: int,
+        state: _RunState,
+        by_incarnation: dict[str, list[dict[str, Any]]],
+    ) -> None:
+        """World size from the run-start record; until it arrives (a new incarnation's first
+        records can come from any rank, before rank 0's run start), the run's newest declared
+        world size or the most ranks yet seen, whichever is more: a guess of one rank judged a
+        resumed incarnation's windows on whichever rank reported first, the others' records
+        arriving late. The watermark from the flush interval the run-start record states."""
+        unknown = [inc for inc in by_incarnation if inc not in state.declared]
+        declared = {}
+        prior = 1
+        if unknown:
+            started = connection.execute(
+                sa.select(INCARNATION.c.incarnation, INCARNATION.c.world_size, INCARNATION.c.config).where(
+                    INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation.in_(unknown)
+                )
+            ).all()
+            declared = {row.incarnation: row.world_size for row in started if row.world_size is not None}
+            for row in started:
+                flush_s = hook_settings.stated(row.config, "flush_s")
+                if flush_s is not None:
+                    config = self._config
+                    state.watermark_s[row.incarnation] = (
+                        config.watermark_flushes * flush_s + config.watermark_slack_s
+                    )
+            if any(inc not in declared for inc in unknown):
+                prior = queries.newest_world_size(connection, run_id) or 1
+        for incarnation, summaries in by_incarnation.items():
+            if incarnation in declared:
+                state.world_size[incarnation] = declared[incarnation]
+                state.declared.add(incarnation)
+                continue
+            if incarnation in state.declared:
+                continue
+            seen = max(s["ranks_reported"] for s in summaries)
+            state.world_size[incarnation] = max(state.world_size.get(incarnation, prior), seen)
+
+
+def _rank_nonfinite(window: RankWindow) -> list[Finding]:
+    """Name the ranks whose own loss, grad norm or loss scale is nonfinite (a NaN on one rank is
+    usually that rank's data or device; a NaN everywhere is the all-reduce spreading it)."""
+    found = []
+    for index, rank in enumerate(window.ranks.tolist()):
+        loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
+        loss = loss_sum / tokens if tokens > 0 else (loss_sum if not math.isfinite(loss_sum) else None)
+        point = StepPoint(step=window.step, loss=loss, incarnation=window.incarnation, attempt=window.attempt)
+        found += [
+            Finding(
+                **{
+                    **f.__dict__,
+                    "rank": rank,
+                    "node": window.nodes[index],
+                    "device": window.devices[index],
+                    "message": f"rank {rank}: {f.message}",
+                    "evidence": {"sample_ids": list(window.sample_ids[index] or [])[:64]},
+                }
+            )
+            for f in nonfinite_findings(point)
+        ]
+    if len(found) > MAX_NAMED_RANKS:
+        first = found[0]
+        return [
+            Finding(
+                step=first.step,
+                kind="nonfinite",
+                severity=Severity.CRITICAL,
+                signal="loss",
+                value=first.value,
+                threshold=None,
+                incarnation=first.incarnation,
+                attempt=first.attempt,
+                message=f"{len(found)} ranks have a nonfinite loss at step {first.step}",
+                evidence={"ranks": len(found)},
+            )
+        ]
+    return found

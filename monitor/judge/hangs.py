@@ -1,0 +1,161 @@
+"""Hang checks over heartbeats, on the service's own clock (a hung run sends no steps).
+
+For each run's newest unfinished incarnation: its ranks' newest heartbeats, the timeout
+learned from its own window durations, and ``policies.hangs``. A new or changed hang is
+recorded once (not on every check), asks the stuck ranks for stack dumps, and the incident
+closes when every rank moves again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from monitor.judge.incidents import IncidentRecorder, close_incident
+from monitor.recovery import directives
+from monitor.store import hook_settings, models
+from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
+
+HEARTBEAT = models.table_of(models.Heartbeat)
+INCARNATION = models.table_of(models.Incarnation)
+SUMMARY = models.table_of(models.StepSummary)
+INCIDENT = models.table_of(models.Incident)
+
+# Incarnations whose newest heartbeat is older than this are abandoned, not hung.
+ABANDONED_AFTER_S = 24 * 3600.0
+
+
+class HangWatch:
+    def __init__(
+        self, engine: Engine, config: HangConfig, recorder: IncidentRecorder, clock: Callable[[], float]
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._recorder = recorder
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reported: dict[tuple[int, str], tuple[frozenset[int], frozenset[int]]] = {}
+
+    def check(self) -> list[int]:
+        """One pass over every live incarnation; returns the hang incidents touched."""
+        now = self._clock()
+        touched: list[int] = []
+        with self._lock, self._engine.begin() as connection:
+            for run_id, incarnation in self._live(connection, now):
+                touched += self._check(connection, run_id, incarnation, now)
+        return touched
+
+    def _live(self, connection: Connection, now: float) -> list[tuple[int, str]]:
+        """Each run's newest incarnation that has heartbeats and has not finished."""
+        newest = (
+            sa.select(
+                HEARTBEAT.c.run_id,
+                HEARTBEAT.c.incarnation,
+                sa.func.max(HEARTBEAT.c.received_at).label("heard"),
+            )
+            .group_by(HEARTBEAT.c.run_id, HEARTBEAT.c.incarnation)
+            .subquery()
+        )
+        rows = connection.execute(
+            sa.select(newest.c.run_id, newest.c.incarnation, newest.c.heard, INCARNATION.c.finished_at)
+            .outerjoin(
+                INCARNATION,
+                (INCARNATION.c.run_id == newest.c.run_id)
+                & (INCARNATION.c.incarnation == newest.c.incarnation),
+            )
+            .where(newest.c.heard > now - ABANDONED_AFTER_S)
+        ).all()
+        latest: dict[int, Any] = {}
+        for row in rows:
+            if row.run_id not in latest or row.heard > latest[row.run_id].heard:
+                latest[row.run_id] = row
+        return [(r.run_id, r.incarnation) for r in latest.values() if r.finished_at is None]
+
+    def _check(self, connection: Connection, run_id: int, incarnation: str, now: float) -> list[int]:
+        beats = [
+            Beat(r.rank, r.node, r.step, r.phase, r.phase_since, r.received_at)
+            for r in connection.execute(
+                sa.select(HEARTBEAT).where(
+                    HEARTBEAT.c.run_id == run_id, HEARTBEAT.c.incarnation == incarnation
+                )
+            )
+        ]
+        facts = connection.execute(
+            sa.select(INCARNATION.c.world_size, INCARNATION.c.config, INCARNATION.c.started_at).where(
+                INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation == incarnation
+            )
+        ).first()
+        world, config, started_at = (
+            (facts.world_size, facts.config, facts.started_at) if facts else (None, None, None)
+        )
+        finding = hang_finding(
+            beats,
+            world,
+            now,
+            self._timeout(connection, run_id, incarnation),
+            incarnation,
+            self._config,
+            hook_settings.stated(config, "heartbeat_s"),
+            started_at,
+        )
+        key = (run_id, incarnation)
+        if finding is None:
+            if key in self._reported:
+                del self._reported[key]
+                return self._resolve(connection, run_id, now)
+            return []
+        signature = (
+            frozenset(s["rank"] for s in finding.evidence["stuck"]),
+            frozenset(m["rank"] for m in finding.evidence["missing"]),
+        )
+        if self._reported.get(key) == signature:
+            return []
+        self._reported[key] = signature
+        touched = self._recorder.record(connection, run_id, [finding], finding.step)
+        wanted = sorted(signature[0]) or None
+        for incident_id in touched:
+            if not directives.has_pending(connection, run_id, "dump_stacks", incident_id):
+                directives.create_directive(
+                    connection,
+                    run_id,
+                    "dump_stacks",
+                    created_by="engine",
+                    now=now,
+                    incarnation=incarnation,
+                    ranks=wanted,
+                    incident_id=incident_id,
+                )
+        return touched
+
+    def _timeout(self, connection: Connection, run_id: int, incarnation: str) -> float:
+        times = (
+            connection.execute(
+                sa.select(SUMMARY.c.last_time)
+                .where(SUMMARY.c.run_id == run_id, SUMMARY.c.incarnation == incarnation)
+                .order_by(SUMMARY.c.attempt.desc())
+                .limit(200)
+            )
+            .scalars()
+            .all()
+        )
+        ordered = sorted(times)
+        return learned_timeout([b - a for a, b in pairwise(ordered)], self._config)
+
+    def _resolve(self, connection: Connection, run_id: int, now: float) -> list[int]:
+        open_hangs = (
+            connection.execute(
+                sa.select(INCIDENT.c.id).where(
+                    INCIDENT.c.run_id == run_id, INCIDENT.c.kind == "hang", INCIDENT.c.status == "open"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        for incident_id in open_hangs:
+            close_incident(connection, incident_id, now)
+        return list(open_hangs)

@@ -1,0 +1,1 @@
+"""Observing the service: Prometheus metrics, Grafana dashboards, OpenTelemetry spans."""

@@ -1,0 +1,1 @@
+"""Recovery: decisions, directives, checkpoints, evidence, replay jobs and quarantine."""

@@ -1,0 +1,664 @@
+"""The decision workflow: an incident becomes a recovery only through a recorded decision.
+
+propose -> (operator or auto-approve policy) approve | reject -> directive at one step ->
+every rank acknowledges -> the resume is checked against the chosen checkpoint. Each move is
+an audit entry with who, when, why and the evidence. The decision logic itself is pure
+(``policies.proposals``, ``policies.diagnosis``, ``policies.retries``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from monitor.judge.incidents import close_incident
+from monitor.recovery import checkpoints, directives
+from monitor.recovery.evidence import incident_evidence
+from monitor.recovery.quarantine import ActionConfig, quarantine
+from monitor.store import audit, models, queries
+from policies.diagnosis import Verdict, diagnose
+from policies.proposals import IncidentFacts, Proposal, ProposalConfig, propose
+from policies.retries import RetryConfig, Rollback, may_roll_back
+
+PROPOSAL = models.table_of(models.Proposal)
+INCIDENT = models.table_of(models.Incident)
+SUMMARY = models.table_of(models.StepSummary)
+STEP = models.table_of(models.StepRecord)
+DIRECTIVE = models.table_of(models.Directive)
+ACK = models.table_of(models.DirectiveAck)
+INCARNATION = models.table_of(models.Incarnation)
+FINDING = models.table_of(models.FindingRow)
+RUN = models.table_of(models.Run)
+RESUME = models.table_of(models.ResumeEvent)
+AUDIT = models.table_of(models.AuditEntry)
+
+LIVE_STATUSES = ("pending", "approved", "executing", "escalated")
+# How many windows' batch ids a skip proposal may name.
+MAX_SKIP_WINDOWS = 8
+
+
+@dataclass(frozen=True)
+class DecisionConfig:
+    """The workflow's settings.
+
+    ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default) unless
+    their run-start config says otherwise, so a directive's step must be at least that far
+    ahead; ``margin`` 2 doubles it for the sender's own delay.
+    """
+
+    proposals: ProposalConfig = field(default_factory=ProposalConfig)
+    retries: RetryConfig = field(default_factory=RetryConfig)
+    actions: ActionConfig = field(default_factory=ActionConfig)
+    poll_interval_s: float = 2.0
+    margin: float = 2.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    message: str
+    proposal: dict[str, Any] | None = None
+
+
+class Decisions:
+    def __init__(self, engine: Engine, config: DecisionConfig, clock: Callable[[], float]) -> None:
+        self._engine = engine
+        self._config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    # --- proposing -------------------------------------------------------------------------
+
+    def consider(self, run_id: int, incident_ids: Sequence[int]) -> list[int]:
+        """Propose a recovery for each touched incident that needs one and has none live."""
+        created = []
+        with self._lock, self._engine.begin() as connection:
+            for incident_id in incident_ids:
+                proposal_id = self._consider(connection, run_id, incident_id, actor="engine")
+                if proposal_id is not None:
+                    created.append(proposal_id)
+        for proposal_id in created:
+            self._auto_approve(proposal_id)
+        return created
+
+    def repropose(self, connection: Connection, run_id: int, incident_id: int, actor: str) -> int | None:
+        """New evidence (a replay verdict, a canary): supersede a pending proposal with a fresh
+        one, when the evidence changes the diagnosis."""
+        now = self._clock()
+        incident = (
+            connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == incident_id)).mappings().first()
+        )
+        live = (
+            connection.execute(
+                sa.select(PROPOSAL.c.verdict).where(
+                    PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(("pending", "escalated"))
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if incident is not None and live:
+            verdict = diagnose(incident_evidence(connection, incident)).verdict.value
+            if all(v == verdict for v in live):
+                return None  # nothing new to decide on
+        stale = (
+            connection.execute(
+                PROPOSAL.update()
+                .where(PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(("pending", "escalated")))
+                .values(status="superseded", decided_at=now, decided_by=actor, decision_reason="new evidence")
+                .returning(PROPOSAL.c.id)
+            )
+            .scalars()
+            .all()
+        )
+        for proposal_id in stale:
+            audit.append(
+                connection,
+                actor=actor,
+                action="proposal_superseded",
+                subject=f"proposal:{proposal_id}",
+                now=now,
+                run_id=run_id,
+                incident_id=incident_id,
+                reason="new evidence",
+            )
+        return self._consider(connection, run_id, incident_id, actor=actor)
+
+    def reconsider_ranks(self, run_id: int, ranks: Sequence[int]) -> list[int]:
+        """Hardware evidence on these ranks' devices: re-propose their open incidents, and
+        propose for the canary incidents themselves."""
+        proposals = []
+        with self._lock, self._engine.begin() as connection:
+            incidents = connection.execute(
+                sa.select(INCIDENT.c.id, INCIDENT.c.ranks, INCIDENT.c.kind).where(
+                    INCIDENT.c.run_id == run_id, INCIDENT.c.status == "open"
+                )
+            ).all()
+            for incident in incidents:
+                if set(incident.ranks or []) & set(ranks):
+                    proposal_id = self.repropose(connection, run_id, incident.id, actor="engine")
+                    if proposal_id is not None:
+                        proposals.append(proposal_id)
+        return proposals
+
+    def _consider(self, connection: Connection, run_id: int, incident_id: int, actor: str) -> int | None:
+        incident = (
+            connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == incident_id)).mappings().first()
+        )
+        if incident is None or incident["status"] != "open" or incident["severity"] == "info":
+            return None
+        live = connection.execute(
+            sa.select(PROPOSAL.c.id).where(
+                PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(LIVE_STATUSES)
+            )
+        ).first()
+        if live is not None:
+            return None
+        now = self._clock()
+        checkpoints.validate_pending(connection, now, run_id)
+        known, unsafe = checkpoints.facts(connection, run_id)
+        # The incident being recovered makes its own later checkpoints unsafe (it is open).
+        facts = IncidentFacts(
+            key=incident_id,
+            kind=incident["kind"],
+            first_step=incident["first_step"],
+            last_step=incident["last_step"],
+            current_step=self._highest_step(connection, run_id),
+            batches=self._batches(connection, run_id, incident),
+        )
+        diagnosis = diagnose(incident_evidence(connection, incident))
+        if incident["kind"] == "canary" and diagnosis.verdict is not Verdict.HARDWARE:
+            return None  # one transient mismatch: the next canary round decides
+        retry = may_roll_back(self._rollbacks(connection, run_id), incident_id, now, self._config.retries)
+        proposal = propose(facts, known, unsafe, diagnosis, retry, self._config.proposals)
+        if proposal is None:
+            return None
+        return self._store(connection, run_id, incident, proposal, actor, now)
+
+    def _store(
+        self, connection: Connection, run_id: int, incident: Any, proposal: Proposal, actor: str, now: float
+    ) -> int:
+        status = "escalated" if proposal.action == "escalate" else "pending"
+        evidence = {
+            "reasons": list(proposal.reasons),
+            "diagnosis": {"verdict": proposal.diagnosis.verdict.value, "reason": proposal.diagnosis.reason},
+            "rejected_checkpoints": {str(k): v for k, v in proposal.rejected_checkpoints.items()},
+            "incident": {
+                "kind": incident["kind"],
+                "first_step": incident["first_step"],
+                "last_step": incident["last_step"],
+                "summary": incident["summary"],
+                "ranks": incident["ranks"],
+                "nodes": incident["nodes"],
+                "devices": incident["devices"],
+            },
+            "auto_approve": proposal.auto_approve,
+        }
+        proposal_id = int(
+            connection.execute(
+                PROPOSAL.insert().returning(PROPOSAL.c.id),
+                {
+                    "run_id": run_id,
+                    "incident_id": incident["id"],
+                    "action": proposal.action,
+                    "status": status,
+                    "checkpoint_id": proposal.target.key if proposal.target else None,
+                    "target_step": proposal.target.step if proposal.target else None,
+                    "target_path": proposal.target.path if proposal.target else None,
+                    "data_action": proposal.data_action.value,
+                    "skip_batches": list(proposal.skip_batches),
+                    "quarantine_node": proposal.quarantine_node,
+                    "quarantine_device": proposal.quarantine_device,
+                    "verdict": proposal.diagnosis.verdict.value,
+                    "cost_steps": proposal.cost_steps,
+                    "evidence": evidence,
+                    "created_at": now,
+                },
+            ).scalar_one()
+        )
+        action = "escalated" if status == "escalated" else "proposed"
+        audit.append(
+            connection,
+            actor=actor,
+            action=action,
+            subject=f"proposal:{proposal_id}",
+            now=now,
+            run_id=run_id,
+            incident_id=incident["id"],
+            reason="; ".join(proposal.reasons),
+            details={"proposal": view_of(connection, proposal_id)},
+        )
+        return proposal_id
+
+    def _auto_approve(self, proposal_id: int) -> None:
+        with self._engine.connect() as connection:
+            row = connection.execute(
+                sa.select(PROPOSAL.c.evidence, PROPOSAL.c.status).where(PROPOSAL.c.id == proposal_id)
+            ).first()
+        if row is not None and row.status == "pending" and row.evidence.get("auto_approve"):
+            self.approve(proposal_id, "policy:auto-approve", "auto-approve policy for this incident kind")
+
+    def _rollbacks(self, connection: Connection, run_id: int) -> list[Rollback]:
+        rows = connection.execute(
+            sa.select(PROPOSAL.c.incident_id, PROPOSAL.c.decided_at).where(
+                PROPOSAL.c.run_id == run_id,
+                PROPOSAL.c.action == "rollback",
+                PROPOSAL.c.status.in_(("approved", "executing", "done", "failed")),
+            )
+        ).all()
+        return [Rollback(r.incident_id, r.decided_at or 0.0) for r in rows]
+
+    def _highest_step(self, connection: Connection, run_id: int) -> int:
+        return int(
+            connection.execute(
+                sa.select(sa.func.max(SUMMARY.c.step)).where(SUMMARY.c.run_id == run_id)
+            ).scalar()
+            or 0
+        )
+
+    def _batches(self, connection: Connection, run_id: int, incident: Any) -> tuple[str, ...]:
+        rows = connection.execute(
+            sa.select(STEP.c.sample_ids).where(
+                STEP.c.run_id == run_id,
+                STEP.c.incarnation == incident["incarnation"],
+                STEP.c.step >= incident["first_step"],
+                STEP.c.step <= min(incident["last_step"], incident["first_step"] + MAX_SKIP_WINDOWS - 1),
+            )
+        ).scalars()
+        return tuple(dict.fromkeys(str(i) for ids in rows for i in (ids or [])))
+
+    # --- deciding --------------------------------------------------------------------------
+
+    def approve(self, proposal_id: int, operator: str, reason: str | None) -> Outcome:
+        now = self._clock()
+        with self._lock, self._engine.begin() as connection:
+            row = self._decide(connection, proposal_id, ("pending",), "approved", operator, reason, now)
+            if row is None:
+                return self._lost(connection, proposal_id, "approve")
+            if row["quarantine_node"] or row["quarantine_device"]:
+                self._quarantine(connection, row, operator, now)
+            if row["action"] == "rollback":
+                self._deliver(connection, row, operator, now)
+            return Outcome(
+                True, f"proposal {proposal_id} approved by {operator}", view_of(connection, proposal_id)
+            )
+
+    def reject(self, proposal_id: int, operator: str, reason: str) -> Outcome:
+        now = self._clock()
+        with self._lock, self._engine.begin() as connection:
+            row = self._decide(
+                connection, proposal_id, ("pending", "escalated"), "rejected", operator, reason, now
+            )
+            if row is None:
+                return self._lost(connection, proposal_id, "reject")
+            return Outcome(
+                True, f"proposal {proposal_id} rejected by {operator}", view_of(connection, proposal_id)
+            )
+
+    def _decide(
+        self,
+        connection: Connection,
+        proposal_id: int,
+        open_statuses: tuple[str, ...],
+        status: str,
+        operator: str,
+        reason: str | None,
+        now: float,
+    ) -> sa.RowMapping | None:
+        """Move the proposal from one of ``open_statuses`` to ``status`` and audit it; None when
+        another decision got there first (the conditional update is what makes one win)."""
+        won = (
+            connection.execute(
+                PROPOSAL.update()
+                .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(open_statuses))
+                .values(status=status, decided_by=operator, decided_at=now, decision_reason=reason)
+            ).rowcount
+            == 1
+        )
+        if not won:
+            return None
+        row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
+        audit.append(
+            connection,
+            actor=operator,
+            action=status,
+            subject=f"proposal:{proposal_id}",
+            now=now,
+            run_id=row["run_id"],
+            incident_id=row["incident_id"],
+            reason=reason,
+        )
+        return row
+
+    def _lost(self, connection: Connection, proposal_id: int, verb: str) -> Outcome:
+        row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()
+        if row is None:
+            return Outcome(False, f"no proposal {proposal_id}")
+        who = f" by {row['decided_by']}" if row["decided_by"] else ""
+        return Outcome(
+            False,
+            f"cannot {verb} proposal {proposal_id}: it is already {row['status']}{who}",
+            view_of(connection, proposal_id),
+        )
+
+    def _quarantine(self, connection: Connection, row: Any, actor: str, now: float) -> None:
+        run = connection.execute(sa.select(RUN.c.name).where(RUN.c.id == row["run_id"])).scalar_one()
+        result = quarantine(
+            connection,
+            self._config.actions,
+            run_id=row["run_id"],
+            run=run,
+            proposal_id=row["id"],
+            node=row["quarantine_node"],
+            device=row["quarantine_device"],
+            reason=f"runhealth incident {row['incident_id']}: {row['evidence']['diagnosis']['reason']}",
+            now=now,
+        )
+        audit.append(
+            connection,
+            actor=actor,
+            action="quarantine",
+            subject=f"proposal:{row['id']}",
+            now=now,
+            run_id=row["run_id"],
+            incident_id=row["incident_id"],
+            details=result,
+        )
+
+    def _deliver(
+        self, connection: Connection, row: Any, actor: str, now: float, after_step: int | None = None
+    ) -> int:
+        """A rollback directive that names the step at which every rank acts."""
+        step = directives.directive_step(
+            connection, row["run_id"], self._config.poll_interval_s, self._config.margin, after_step or 0
+        )
+        avoid = [d for d in (row["quarantine_device"],) if d]
+        directive_id = directives.create_directive(
+            connection,
+            row["run_id"],
+            "rollback",
+            created_by=actor,
+            now=now,
+            act_at_step=step,
+            incident_id=row["incident_id"],
+            payload={
+                "proposal": row["id"],
+                "checkpoint_path": row["target_path"],
+                "checkpoint_step": row["target_step"],
+                "skip_batches": row["skip_batches"],
+                "avoid_devices": avoid,
+                "avoid_nodes": [n for n in (row["quarantine_node"],) if n],
+            },
+        )
+        connection.execute(
+            PROPOSAL.update()
+            .where(PROPOSAL.c.id == row["id"])
+            .values(status="executing", directive_id=directive_id)
+        )
+        audit.append(
+            connection,
+            actor=actor,
+            action="directive",
+            subject=f"directive:{directive_id}",
+            now=now,
+            run_id=row["run_id"],
+            incident_id=row["incident_id"],
+            details={"kind": "rollback", "act_at_step": step, "proposal": row["id"]},
+        )
+        return directive_id
+
+    # --- executing -------------------------------------------------------------------------
+
+    def acknowledged(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+        """Directive acknowledgements: all ranks done -> executed; a miss -> reissued later."""
+        if not rows:
+            return
+        now = self._clock()
+        with self._lock, self._engine.begin() as connection:
+            for directive_id in sorted({r["directive_id"] for r in rows}):
+                self._settle(
+                    connection,
+                    run_id,
+                    directive_id,
+                    [r for r in rows if r["directive_id"] == directive_id],
+                    now,
+                )
+
+    def _settle(
+        self, connection: Connection, run_id: int, directive_id: int, rows: list[dict[str, Any]], now: float
+    ) -> None:
+        directive = (
+            connection.execute(sa.select(DIRECTIVE).where(DIRECTIVE.c.id == directive_id)).mappings().one()
+        )
+        for row in rows:
+            audit.append(
+                connection,
+                actor=f"rank:{row['rank']}",
+                action="acknowledged",
+                subject=f"directive:{directive_id}",
+                now=now,
+                run_id=run_id,
+                incident_id=directive["incident_id"],
+                details={
+                    "status": row["status"],
+                    "step": row["step"],
+                    "incarnation": row["incarnation"],
+                    "detail": row["detail"],
+                },
+            )
+        if directive["status"] != "pending":
+            return
+        if directive["kind"] != "rollback":
+            self._settle_simple(connection, run_id, directive)
+            return
+        acks = connection.execute(
+            sa.select(ACK.c.rank, ACK.c.status, ACK.c.step).where(ACK.c.directive_id == directive_id)
+        ).all()
+        proposal_id = directive["payload"].get("proposal")
+        if any(a.status == "missed" for a in acks):
+            self._reissue(connection, directive, proposal_id, max(a.step or 0 for a in acks), now)
+        elif any(a.status == "failed" for a in acks):
+            self._finish(connection, directive, proposal_id, "failed", now)
+        elif len({a.rank for a in acks}) >= self._world(connection, run_id, acks):
+            self._finish(connection, directive, proposal_id, "done", now)
+
+    def _all_resumed(self, connection: Connection, run_id: int, incarnation: str, proposal: Any) -> bool:
+        """Every rank of the new incarnation has said what it restored, and this resume was not
+        judged yet (resume records arrive in several batches)."""
+        resumed = connection.execute(
+            sa.select(sa.func.count())
+            .select_from(RESUME)
+            .where(RESUME.c.run_id == run_id, RESUME.c.incarnation == incarnation)
+        ).scalar_one()
+        world = connection.execute(
+            sa.select(INCARNATION.c.world_size).where(
+                INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation == incarnation
+            )
+        ).scalar()
+        judged = connection.execute(
+            sa.select(AUDIT.c.seq)
+            .where(AUDIT.c.action == "resume_verified", AUDIT.c.subject == f"proposal:{proposal['id']}")
+            .limit(1)
+        ).first()
+        return judged is None and resumed >= (world or 1)
+
+    def _settle_simple(self, connection: Connection, run_id: int, directive: Any) -> None:
+        """A directive without a workflow behind it (stack dumps, canaries) is done once every
+        rank it named (or every rank) answered."""
+        answered = set(
+            connection.execute(sa.select(ACK.c.rank).where(ACK.c.directive_id == directive["id"])).scalars()
+        )
+        wanted = (
+            set(directive["ranks"]) if directive["ranks"] else set(range(self._world(connection, run_id, [])))
+        )
+        if wanted and wanted <= answered:
+            connection.execute(
+                DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status="done")
+            )
+
+    def _world(self, connection: Connection, run_id: int, acks: Sequence[Any]) -> int:
+        return queries.newest_world_size(connection, run_id) or len(acks)
+
+    def _reissue(
+        self, connection: Connection, directive: Any, proposal_id: int | None, past: int, now: float
+    ) -> None:
+        connection.execute(
+            DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status="superseded")
+        )
+        row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
+        new_id = self._deliver(connection, row, "engine", now, after_step=past)
+        audit.append(
+            connection,
+            actor="engine",
+            action="directive_reissued",
+            subject=f"directive:{directive['id']}",
+            now=now,
+            run_id=directive["run_id"],
+            incident_id=directive["incident_id"],
+            reason=f"a rank was already past step {directive['act_at_step']}",
+            details={"replaced_by": new_id},
+        )
+
+    def _finish(
+        self, connection: Connection, directive: Any, proposal_id: int | None, status: str, now: float
+    ) -> None:
+        connection.execute(DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status=status))
+        if proposal_id is not None:
+            connection.execute(PROPOSAL.update().where(PROPOSAL.c.id == proposal_id).values(status=status))
+        action = "rollback_executed" if status == "done" else "rollback_failed"
+        audit.append(
+            connection,
+            actor="engine",
+            action=action,
+            subject=f"proposal:{proposal_id}",
+            now=now,
+            run_id=directive["run_id"],
+            incident_id=directive["incident_id"],
+        )
+
+    def resumed(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+        """After an executed rollback, the resume's continuity verdict; a clean resume resolves
+        the incident."""
+        if not rows:
+            return
+        now = self._clock()
+        incarnation = rows[0]["incarnation"]
+        with self._lock, self._engine.begin() as connection:
+            done = (
+                connection.execute(
+                    sa.select(PROPOSAL)
+                    .where(
+                        PROPOSAL.c.run_id == run_id,
+                        PROPOSAL.c.status == "done",
+                        PROPOSAL.c.target_path.in_({r.get("checkpoint_path") for r in rows}),
+                    )
+                    .order_by(PROPOSAL.c.id.desc())
+                    .limit(1)
+                )
+                .mappings()
+                .first()
+            )
+            if done is None or not self._all_resumed(connection, run_id, incarnation, done):
+                return
+            problems = connection.execute(
+                sa.select(FINDING.c.kind, FINDING.c.message).where(
+                    FINDING.c.run_id == run_id,
+                    FINDING.c.incarnation == incarnation,
+                    FINDING.c.kind.in_(
+                        (
+                            "schedule_restarted",
+                            "data_cursor_reset",
+                            "data_cursor_mismatch",
+                            "optimizer_state_lost",
+                            "broken_resume",
+                        )
+                    ),
+                )
+            ).all()
+            verdict = "failed" if problems else "passed"
+            audit.append(
+                connection,
+                actor="engine",
+                action="resume_verified",
+                subject=f"proposal:{done['id']}",
+                now=now,
+                run_id=run_id,
+                incident_id=done["incident_id"],
+                reason=f"continuity {verdict} against {done['target_path']} (step {done['target_step']})",
+                details={
+                    "verdict": verdict,
+                    "incarnation": incarnation,
+                    "ranks": len(rows),
+                    "problems": [p.message for p in problems[:8]],
+                },
+            )
+            if not problems:
+                close_incident(connection, done["incident_id"], now)
+                audit.append(
+                    connection,
+                    actor="engine",
+                    action="incident_resolved",
+                    subject=f"incident:{done['incident_id']}",
+                    now=now,
+                    run_id=run_id,
+                    incident_id=done["incident_id"],
+                    reason="rolled back and resumed with continuity verified",
+                )
+
+
+def view_of(connection: Connection, proposal_id: int) -> dict[str, Any]:
+    row = (
+        connection.execute(
+            sa.select(PROPOSAL, RUN.c.name.label("run"))
+            .join(RUN, RUN.c.id == PROPOSAL.c.run_id)
+            .where(PROPOSAL.c.id == proposal_id)
+        )
+        .mappings()
+        .one()
+    )
+    return proposal_view(row)
+
+
+def proposal_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "run": row["run"],
+        "incident": row["incident_id"],
+        "action": row["action"],
+        "status": row["status"],
+        "target": {
+            "checkpoint": row["checkpoint_id"],
+            "step": row["target_step"],
+            "path": row["target_path"],
+        },
+        "data_action": row["data_action"],
+        "skip_batches": row["skip_batches"],
+        "quarantine": {"node": row["quarantine_node"], "device": row["quarantine_device"]},
+        "verdict": row["verdict"],
+        "cost_steps": row["cost_steps"],
+        "evidence": row["evidence"],
+        "created_at": row["created_at"],
+        "decided_by": row["decided_by"],
+        "decided_at": row["decided_at"],
+        "reason": row["decision_reason"],
+        "directive": row["directive_id"],
+    }
+
+
+def list_proposals(
+    connection: Connection, run: str | None = None, status: str | None = None
+) -> list[dict[str, Any]]:
+    query = sa.select(PROPOSAL, RUN.c.name.label("run")).join(RUN, RUN.c.id == PROPOSAL.c.run_id)
+    if run is not None:
+        query = query.where(RUN.c.name == run)
+    if status is not None:
+        query = query.where(PROPOSAL.c.status == status)
+    return [proposal_view(row) for row in connection.execute(query.order_by(PROPOSAL.c.id)).mappings()]
+
+
+__all__ = ["DecisionConfig", "Decisions", "Outcome", "list_proposals", "view_of"]

@@ -1,0 +1,152 @@
+"""Directives: instructions from the service to a run's hooks, and their acknowledgements.
+
+A hook learns them off its training step, with the answer to each batch it posts or from
+``GET /v1/runs/{run}/directives`` when it sent nothing; a directive applies to an incarnation
+(or any) and to some ranks (or all), and one for an incarnation that has since restarted is
+retired when the next one starts. ``dump_stacks`` acts at once; directives
+that must act at one step on every rank name ``act_at_step``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from monitor.store import hook_settings, models
+from policies.proposals import act_at_step
+
+DIRECTIVE = models.table_of(models.Directive)
+ACK = models.table_of(models.DirectiveAck)
+SUMMARY = models.table_of(models.StepSummary)
+INCARNATION = models.table_of(models.Incarnation)
+
+KINDS = ("dump_stacks",)
+
+
+def create_directive(
+    connection: Connection,
+    run_id: int,
+    kind: str,
+    *,
+    created_by: str,
+    now: float,
+    incarnation: str | None = None,
+    ranks: Sequence[int] | None = None,
+    act_at_step: int | None = None,
+    payload: dict[str, Any] | None = None,
+    incident_id: int | None = None,
+) -> int:
+    result = connection.execute(
+        DIRECTIVE.insert().returning(DIRECTIVE.c.id),
+        {
+            "run_id": run_id,
+            "kind": kind,
+            "incarnation": incarnation,
+            "ranks": list(ranks) if ranks is not None else None,
+            "act_at_step": act_at_step,
+            "payload": payload or {},
+            "status": "pending",
+            "incident_id": incident_id,
+            "created_by": created_by,
+            "created_at": now,
+        },
+    )
+    return int(result.scalar_one())
+
+
+def pending_for(connection: Connection, run_id: int, incarnation: str, rank: int) -> list[dict[str, Any]]:
+    """The pending directives this rank of this incarnation has not answered yet."""
+    answered = sa.select(ACK.c.directive_id).where(
+        ACK.c.run_id == run_id, ACK.c.incarnation == incarnation, ACK.c.rank == rank
+    )
+    rows = connection.execute(
+        sa.select(DIRECTIVE)
+        .where(
+            DIRECTIVE.c.run_id == run_id,
+            DIRECTIVE.c.status == "pending",
+            sa.or_(DIRECTIVE.c.incarnation.is_(None), DIRECTIVE.c.incarnation == incarnation),
+            DIRECTIVE.c.id.not_in(answered),
+        )
+        .order_by(DIRECTIVE.c.id)
+    ).mappings()
+    return [directive_view(row) for row in rows if row["ranks"] is None or rank in row["ranks"]]
+
+
+def directive_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "kind": row["kind"],
+        "incarnation": row["incarnation"],
+        "ranks": row["ranks"],
+        "act_at_step": row["act_at_step"],
+        "payload": row["payload"],
+        "status": row["status"],
+        "incident": row["incident_id"],
+        "created_by": row["created_by"],
+        "created_at": row["created_at"],
+    }
+
+
+def retire_older_incarnations(connection: Connection, run_id: int, started_at: float) -> int:
+    """A new incarnation started at ``started_at``: directives still pending for incarnations
+    that started before it can never be answered (their ranks are gone) and are marked
+    superseded, as a reissued directive is. Run-wide ones (no incarnation) stay pending."""
+    older = sa.select(INCARNATION.c.incarnation).where(
+        INCARNATION.c.run_id == run_id, INCARNATION.c.started_at < started_at
+    )
+    retired = connection.execute(
+        DIRECTIVE.update()
+        .where(
+            DIRECTIVE.c.run_id == run_id,
+            DIRECTIVE.c.status == "pending",
+            DIRECTIVE.c.incarnation.in_(older),
+        )
+        .values(status="superseded")
+    )
+    return int(retired.rowcount or 0)
+
+
+def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int | None) -> bool:
+    query = sa.select(DIRECTIVE.c.id).where(
+        DIRECTIVE.c.run_id == run_id, DIRECTIVE.c.kind == kind, DIRECTIVE.c.status == "pending"
+    )
+    if incident_id is not None:
+        query = query.where(DIRECTIVE.c.incident_id == incident_id)
+    return connection.execute(query.limit(1)).first() is not None
+
+
+def directive_step(
+    connection: Connection, run_id: int, default_poll_s: float, margin: float, after_step: int = 0
+) -> int:
+    """The step at which every rank of a run acts: ahead of the newest step reported by the
+    polling delay (the hooks tell their poll interval and agreement period in the run-start
+    config; ``default_poll_s`` otherwise) measured in the run's own step time."""
+    highest = int(
+        connection.execute(sa.select(sa.func.max(SUMMARY.c.step)).where(SUMMARY.c.run_id == run_id)).scalar()
+        or 0
+    )
+    times = sorted(
+        connection.execute(
+            sa.select(SUMMARY.c.last_time)
+            .where(SUMMARY.c.run_id == run_id)
+            .order_by(SUMMARY.c.id.desc())
+            .limit(50)
+        ).scalars()
+    )
+    gaps = [b - a for a, b in pairwise(times) if b > a]
+    config = connection.execute(
+        sa.select(INCARNATION.c.config)
+        .where(INCARNATION.c.run_id == run_id, INCARNATION.c.config.is_not(None))
+        .order_by(INCARNATION.c.id.desc())
+        .limit(1)
+    ).scalar()
+    poll_s = hook_settings.stated(config, "directive_poll_s") or default_poll_s
+    # The ranks agree one agreement period late, at most two periods after the step.
+    agreement = 2 * int(hook_settings.stated(config, "agree_every") or 1)
+    step_time = statistics.median(gaps) if gaps else 0.0
+    return act_at_step(max(highest, after_step), step_time, poll_s, margin) + agreement

@@ -1,0 +1,127 @@
+"""Opening the store: URL resolution, SQLite pragmas, and the network-filesystem guard."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+
+from monitor.store.floats import to_wire
+
+DEFAULT_DB_FILE = "runhealth.db"
+
+# Filesystems on which SQLite's POSIX locking is unsafe (SQLite FAQ, "Can multiple
+# applications access the same database file?"): NFS, Lustre and other network or cluster
+# filesystems.
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "9p",
+        "afs",
+        "orangefs",
+        "panfs",
+        "wekafs",
+    }
+)
+
+
+class StoreError(Exception):
+    """A store that cannot be opened as asked; the message says why and what to do."""
+
+
+def resolve_url(db: str | None, environ: Mapping[str, str]) -> URL:
+    """``--db`` wins over ``RUNHEALTH_DB``; a bare path means an SQLite file."""
+    raw = db or environ.get("RUNHEALTH_DB") or DEFAULT_DB_FILE
+    if "://" not in raw:
+        raw = f"sqlite:///{Path(raw).expanduser().absolute()}"
+    try:
+        return make_url(raw)
+    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        raise StoreError(f"not a database URL or path: {raw!r}") from exc
+
+
+def sqlite_path(url: URL) -> Path | None:
+    """The file behind an SQLite URL, or ``None`` for memory or another backend."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database).expanduser().absolute()
+
+
+def filesystem_type(path: Path, mounts_file: Path = Path("/proc/self/mounts")) -> str | None:
+    """The filesystem type of the mount that holds ``path`` (longest mount-point prefix)."""
+    try:
+        lines = mounts_file.read_text().splitlines()
+    except OSError:
+        return None
+    target = str(path.resolve())
+    best, best_type = "", None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = parts[1].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, best_type = mount_point, parts[2]
+    return best_type
+
+
+def check_local_disk(path: Path, mounts_file: Path = Path("/proc/self/mounts")) -> None:
+    fstype = filesystem_type(path.parent, mounts_file)
+    if fstype is not None and (fstype in NETWORK_FILESYSTEMS or fstype.startswith("nfs")):
+        raise StoreError(
+            f"refusing SQLite on {path}: it is on a {fstype} filesystem, where SQLite's "
+            "locking is unsafe. Put the file on a local disk, or use PostgreSQL "
+            "(RUNHEALTH_DB=postgresql://...)."
+        )
+
+
+def _json_serializer(obj: Any) -> str:
+    return orjson.dumps(to_wire(obj)).decode()
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets the CLI and Prometheus scrapes read while the ingest path writes.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def create_store_engine(
+    url: URL, *, mounts_file: Path = Path("/proc/self/mounts"), create_dir: bool = True
+) -> Engine:
+    path = sqlite_path(url)
+    if path is not None:
+        check_local_disk(path, mounts_file)
+        if create_dir:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, json_serializer=_json_serializer, pool_pre_ping=path is None)
+    if url.get_backend_name() == "sqlite":
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def open_store(db: str | None, environ: Mapping[str, str] | None = None) -> Engine:
+    return create_store_engine(resolve_url(db, os.environ if environ is None else environ))
