@@ -222,7 +222,9 @@ def output_flips(
     seen = {}
     for kernel in KERNELS:
         changed = sum(
-            run_suite(device, config, CanaryFaults(output=OutputFlip(kernel, rng))).kernels[kernel].fingerprint
+            run_suite(device, config, CanaryFaults(output=OutputFlip(kernel, rng)))
+            .kernels[kernel]
+            .fingerprint
             != clean.kernels[kernel].fingerprint
             for _ in range(trials)
         )

@@ -213,7 +213,7 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 def _kernels(
     device: torch.device, config: CanaryConfig
-) -> dict[str, Callable[[torch.Generator, Faults], torch.Tensor]]:
+) -> dict[str, Callable[[torch.Generator, CanaryFaults], torch.Tensor]]:
     import torch
 
     gpu = device.type == "cuda"
@@ -225,7 +225,7 @@ def _kernels(
     def inputs(name: str, faults: CanaryFaults, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return [faults.inputs(name, t) if faults.inputs else t for t in tensors]
 
-    def gemm(dtype: torch.dtype, name: str) -> Callable[[torch.Generator, Faults], torch.Tensor]:
+    def gemm(dtype: torch.dtype, name: str) -> Callable[[torch.Generator, CanaryFaults], torch.Tensor]:
         def run(g: torch.Generator, faults: CanaryFaults) -> torch.Tensor:
             a = torch.randn(n, n, generator=g, device=device).to(dtype)
             b = torch.randn(n, n, generator=g, device=device).to(dtype)

@@ -31,7 +31,7 @@ def corrupting(rng: random.Random) -> CanaryFaults:
 
 
 def round_records(
-    step: int, golden: dict[str, str] | None, faulty: dict[int, Faults]
+    step: int, golden: dict[str, str] | None, faulty: dict[int, CanaryFaults]
 ) -> list[dict[str, Any]]:
     records = []
     for rank in range(4):
