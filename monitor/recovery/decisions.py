@@ -9,8 +9,9 @@ an audit entry with who, when, why and the evidence. The decision logic itself i
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
@@ -21,7 +22,22 @@ from monitor.recovery import checkpoints, directives
 from monitor.recovery.evidence import incident_evidence
 from monitor.recovery.quarantine import ActionConfig, quarantine
 from monitor.store import audit, models, queries
+from policies import directive_lifecycle, proposal_lifecycle
 from policies.diagnosis import Verdict, diagnose
+from policies.directive_lifecycle import Ack, AckStatus, DirectiveEffect, DirectiveEvent
+from policies.proposal_lifecycle import (
+    Approve,
+    DirectiveIssued,
+    IllegalProposalTransition,
+    ProposalEffect,
+    ProposalEvent,
+    ProposalMove,
+    ProposalStatus,
+    Reject,
+    RollbackExecuted,
+    RollbackFailed,
+    Supersede,
+)
 from policies.proposals import IncidentFacts, Proposal, ProposalConfig, propose
 from policies.retries import RetryConfig, Rollback, may_roll_back
 
@@ -37,7 +53,6 @@ RUN = models.table_of(models.Run)
 RESUME = models.table_of(models.ResumeEvent)
 AUDIT = models.table_of(models.AuditEntry)
 
-LIVE_STATUSES = ("pending", "approved", "executing", "escalated")
 # How many windows' batch ids a skip proposal may name.
 MAX_SKIP_WINDOWS = 8
 
@@ -96,7 +111,8 @@ class Decisions:
         live = (
             connection.execute(
                 sa.select(PROPOSAL.c.verdict).where(
-                    PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(("pending", "escalated"))
+                    PROPOSAL.c.incident_id == incident_id,
+                    PROPOSAL.c.status.in_(_values(proposal_lifecycle.AWAITING_DECISION)),
                 )
             )
             .scalars()
@@ -109,8 +125,16 @@ class Decisions:
         stale = (
             connection.execute(
                 PROPOSAL.update()
-                .where(PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(("pending", "escalated")))
-                .values(status="superseded", decided_at=now, decided_by=actor, decision_reason="new evidence")
+                .where(
+                    PROPOSAL.c.incident_id == incident_id,
+                    PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(Supersede))),
+                )
+                .values(
+                    status=proposal_lifecycle.outcome(Supersede).value,
+                    decided_at=now,
+                    decided_by=actor,
+                    decision_reason="new evidence",
+                )
                 .returning(PROPOSAL.c.id)
             )
             .scalars()
@@ -154,7 +178,8 @@ class Decisions:
             return None
         live = connection.execute(
             sa.select(PROPOSAL.c.id).where(
-                PROPOSAL.c.incident_id == incident_id, PROPOSAL.c.status.in_(LIVE_STATUSES)
+                PROPOSAL.c.incident_id == incident_id,
+                PROPOSAL.c.status.in_(_values(proposal_lifecycle.LIVE)),
             )
         ).first()
         if live is not None:
@@ -183,7 +208,7 @@ class Decisions:
     def _store(
         self, connection: Connection, run_id: int, incident: Any, proposal: Proposal, actor: str, now: float
     ) -> int:
-        status = "escalated" if proposal.action == "escalate" else "pending"
+        status = proposal_lifecycle.opened(proposal.action)
         evidence = {
             "reasons": list(proposal.reasons),
             "diagnosis": {"verdict": proposal.diagnosis.verdict.value, "reason": proposal.diagnosis.reason},
@@ -206,7 +231,7 @@ class Decisions:
                     "run_id": run_id,
                     "incident_id": incident["id"],
                     "action": proposal.action,
-                    "status": status,
+                    "status": status.value,
                     "checkpoint_id": proposal.target.key if proposal.target else None,
                     "target_step": proposal.target.step if proposal.target else None,
                     "target_path": proposal.target.path if proposal.target else None,
@@ -221,7 +246,7 @@ class Decisions:
                 },
             ).scalar_one()
         )
-        action = "escalated" if status == "escalated" else "proposed"
+        action = "escalated" if status is ProposalStatus.ESCALATED else "proposed"
         audit.append(
             connection,
             actor=actor,
@@ -240,7 +265,7 @@ class Decisions:
             row = connection.execute(
                 sa.select(PROPOSAL.c.evidence, PROPOSAL.c.status).where(PROPOSAL.c.id == proposal_id)
             ).first()
-        if row is not None and row.status == "pending" and row.evidence.get("auto_approve"):
+        if row is not None and row.status == ProposalStatus.PENDING and row.evidence.get("auto_approve"):
             self.approve(proposal_id, "policy:auto-approve", "auto-approve policy for this incident kind")
 
     def _rollbacks(self, connection: Connection, run_id: int) -> list[Rollback]:
@@ -248,7 +273,7 @@ class Decisions:
             sa.select(PROPOSAL.c.incident_id, PROPOSAL.c.decided_at).where(
                 PROPOSAL.c.run_id == run_id,
                 PROPOSAL.c.action == "rollback",
-                PROPOSAL.c.status.in_(("approved", "executing", "done", "failed")),
+                PROPOSAL.c.status.in_(_values(proposal_lifecycle.ROLLBACK_DECIDED)),
             )
         ).all()
         return [Rollback(r.incident_id, r.decided_at or 0.0) for r in rows]
@@ -277,13 +302,15 @@ class Decisions:
     def approve(self, proposal_id: int, operator: str, reason: str | None) -> Outcome:
         now = self._clock()
         with self._lock, self._engine.begin() as connection:
-            row = self._decide(connection, proposal_id, ("pending",), "approved", operator, reason, now)
-            if row is None:
+            decided = self._decide(connection, proposal_id, _approval, operator, reason, now)
+            if decided is None:
                 return self._lost(connection, proposal_id, "approve")
-            if row["quarantine_node"] or row["quarantine_device"]:
-                self._quarantine(connection, row, operator, now)
-            if row["action"] == "rollback":
-                self._deliver(connection, row, operator, now)
+            row, move = decided
+            for effect in move.effects:
+                if effect is ProposalEffect.QUARANTINE:
+                    self._quarantine(connection, row, operator, now)
+                elif effect is ProposalEffect.DELIVER_ROLLBACK:
+                    self._deliver(connection, row, operator, now)
             return Outcome(
                 True, f"proposal {proposal_id} approved by {operator}", view_of(connection, proposal_id)
             )
@@ -291,10 +318,8 @@ class Decisions:
     def reject(self, proposal_id: int, operator: str, reason: str) -> Outcome:
         now = self._clock()
         with self._lock, self._engine.begin() as connection:
-            row = self._decide(
-                connection, proposal_id, ("pending", "escalated"), "rejected", operator, reason, now
-            )
-            if row is None:
+            decided = self._decide(connection, proposal_id, lambda _row: Reject(), operator, reason, now)
+            if decided is None:
                 return self._lost(connection, proposal_id, "reject")
             return Outcome(
                 True, f"proposal {proposal_id} rejected by {operator}", view_of(connection, proposal_id)
@@ -304,19 +329,32 @@ class Decisions:
         self,
         connection: Connection,
         proposal_id: int,
-        open_statuses: tuple[str, ...],
-        status: str,
+        event_of: Callable[[sa.RowMapping], ProposalEvent],
         operator: str,
         reason: str | None,
         now: float,
-    ) -> sa.RowMapping | None:
-        """Move the proposal from one of ``open_statuses`` to ``status`` and audit it; None when
-        another decision got there first (the conditional update is what makes one win)."""
+    ) -> tuple[sa.RowMapping, ProposalMove] | None:
+        """Move the proposal by the operator's event and audit it; None when the lifecycle
+        refuses the event in the proposal's status, or another decision got there first (the
+        update guarded by the event's source statuses is what makes one win)."""
+        current = (
+            connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()
+        )
+        if current is None:
+            return None
+        event = event_of(current)
+        try:
+            move = proposal_lifecycle.advance(current["status"], event)
+        except IllegalProposalTransition:
+            return None
         won = (
             connection.execute(
                 PROPOSAL.update()
-                .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(open_statuses))
-                .values(status=status, decided_by=operator, decided_at=now, decision_reason=reason)
+                .where(
+                    PROPOSAL.c.id == proposal_id,
+                    PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(type(event)))),
+                )
+                .values(status=move.status.value, decided_by=operator, decided_at=now, decision_reason=reason)
             ).rowcount
             == 1
         )
@@ -326,14 +364,14 @@ class Decisions:
         audit.append(
             connection,
             actor=operator,
-            action=status,
+            action=move.status.value,
             subject=f"proposal:{proposal_id}",
             now=now,
             run_id=row["run_id"],
             incident_id=row["incident_id"],
             reason=reason,
         )
-        return row
+        return row, move
 
     def _lost(self, connection: Connection, proposal_id: int, verb: str) -> Outcome:
         row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()
@@ -374,6 +412,8 @@ class Decisions:
         self, connection: Connection, row: Any, actor: str, now: float, after_step: int | None = None
     ) -> int:
         """A rollback directive that names the step at which every rank acts."""
+        # Refused before anything is written: only an approved or executing proposal is carried out.
+        move = proposal_lifecycle.advance(row["status"], DirectiveIssued())
         step = directives.directive_step(
             connection, row["run_id"], self._config.poll_interval_s, self._config.margin, after_step or 0
         )
@@ -397,8 +437,11 @@ class Decisions:
         )
         connection.execute(
             PROPOSAL.update()
-            .where(PROPOSAL.c.id == row["id"])
-            .values(status="executing", directive_id=directive_id)
+            .where(
+                PROPOSAL.c.id == row["id"],
+                PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(DirectiveIssued))),
+            )
+            .values(status=move.status.value, directive_id=directive_id)
         )
         audit.append(
             connection,
@@ -451,21 +494,37 @@ class Decisions:
                     "detail": row["detail"],
                 },
             )
-        if directive["status"] != "pending":
-            return
-        if directive["kind"] != "rollback":
-            self._settle_simple(connection, run_id, directive)
+        if directive["status"] not in directive_lifecycle.OPEN:
             return
         acks = connection.execute(
             sa.select(ACK.c.rank, ACK.c.status, ACK.c.step).where(ACK.c.directive_id == directive_id)
         ).all()
+        event = self._settlement(connection, run_id, directive, acks)
+        if event is None:
+            return
+        move = directive_lifecycle.advance(directive["status"], event)
+        connection.execute(
+            DIRECTIVE.update()
+            .where(DIRECTIVE.c.id == directive_id, DIRECTIVE.c.status.in_(_values(directive_lifecycle.OPEN)))
+            .values(status=move.status.value)
+        )
         proposal_id = directive["payload"].get("proposal")
-        if any(a.status == "missed" for a in acks):
-            self._reissue(connection, directive, proposal_id, max(a.step or 0 for a in acks), now)
-        elif any(a.status == "failed" for a in acks):
-            self._finish(connection, directive, proposal_id, "failed", now)
-        elif len({a.rank for a in acks}) >= self._world(connection, run_id, acks):
-            self._finish(connection, directive, proposal_id, "done", now)
+        for effect in move.effects:
+            if effect is DirectiveEffect.REISSUE:
+                self._reissue(connection, directive, proposal_id, max(a.step or 0 for a in acks), now)
+            else:
+                self._finish(connection, directive, proposal_id, effect, now)
+
+    def _settlement(
+        self, connection: Connection, run_id: int, directive: Any, acks: Sequence[Any]
+    ) -> DirectiveEvent | None:
+        """What the acknowledgements so far make of the directive. A directive without a
+        workflow behind it (stack dumps, canaries) wants every rank it named, or every rank."""
+        if directive["kind"] == "rollback":
+            answers = [Ack(a.rank, AckStatus(a.status)) for a in acks]
+            return directive_lifecycle.settle_rollback(answers, self._world(connection, run_id, acks))
+        wanted = directive["ranks"] or range(self._world(connection, run_id, []))
+        return directive_lifecycle.settle_simple({a.rank for a in acks}, wanted)
 
     def _all_resumed(self, connection: Connection, run_id: int, incarnation: str, proposal: Any) -> bool:
         """Every rank of the new incarnation has said what it restored, and this resume was not
@@ -487,31 +546,17 @@ class Decisions:
         ).first()
         return judged is None and resumed >= (world or 1)
 
-    def _settle_simple(self, connection: Connection, run_id: int, directive: Any) -> None:
-        """A directive without a workflow behind it (stack dumps, canaries) is done once every
-        rank it named (or every rank) answered."""
-        answered = set(
-            connection.execute(sa.select(ACK.c.rank).where(ACK.c.directive_id == directive["id"])).scalars()
-        )
-        wanted = (
-            set(directive["ranks"]) if directive["ranks"] else set(range(self._world(connection, run_id, [])))
-        )
-        if wanted and wanted <= answered:
-            connection.execute(
-                DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status="done")
-            )
-
     def _world(self, connection: Connection, run_id: int, acks: Sequence[Any]) -> int:
         return queries.newest_world_size(connection, run_id) or len(acks)
 
     def _reissue(
         self, connection: Connection, directive: Any, proposal_id: int | None, past: int, now: float
     ) -> None:
-        connection.execute(
-            DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status="superseded")
-        )
         row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().one()
-        new_id = self._deliver(connection, row, "engine", now, after_step=past)
+        try:
+            new_id = self._deliver(connection, row, "engine", now, after_step=past)
+        except IllegalProposalTransition:
+            return  # the proposal was settled another way meanwhile: nothing left to carry out
         audit.append(
             connection,
             actor="engine",
@@ -525,20 +570,44 @@ class Decisions:
         )
 
     def _finish(
-        self, connection: Connection, directive: Any, proposal_id: int | None, status: str, now: float
+        self,
+        connection: Connection,
+        directive: Any,
+        proposal_id: int | None,
+        effect: DirectiveEffect,
+        now: float,
     ) -> None:
-        connection.execute(DIRECTIVE.update().where(DIRECTIVE.c.id == directive["id"]).values(status=status))
+        """The rollback's proposal executed or failed with its directive."""
         if proposal_id is not None:
-            connection.execute(PROPOSAL.update().where(PROPOSAL.c.id == proposal_id).values(status=status))
-        action = "rollback_executed" if status == "done" else "rollback_failed"
+            executed = effect is DirectiveEffect.ROLLBACK_EXECUTED
+            self._move_proposal(connection, proposal_id, RollbackExecuted() if executed else RollbackFailed())
         audit.append(
             connection,
             actor="engine",
-            action=action,
+            action=effect.value,
             subject=f"proposal:{proposal_id}",
             now=now,
             run_id=directive["run_id"],
             incident_id=directive["incident_id"],
+        )
+
+    def _move_proposal(self, connection: Connection, proposal_id: int, event: ProposalEvent) -> None:
+        """Persist an engine-driven move; a proposal the lifecycle says cannot take it (it was
+        settled another way meanwhile) is left as it is."""
+        status = connection.execute(sa.select(PROPOSAL.c.status).where(PROPOSAL.c.id == proposal_id)).scalar()
+        if status is None:
+            return
+        try:
+            move = proposal_lifecycle.advance(status, event)
+        except IllegalProposalTransition:
+            return
+        connection.execute(
+            PROPOSAL.update()
+            .where(
+                PROPOSAL.c.id == proposal_id,
+                PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(type(event)))),
+            )
+            .values(status=move.status.value)
         )
 
     def resumed(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
@@ -554,7 +623,7 @@ class Decisions:
                     sa.select(PROPOSAL)
                     .where(
                         PROPOSAL.c.run_id == run_id,
-                        PROPOSAL.c.status == "done",
+                        PROPOSAL.c.status == ProposalStatus.DONE.value,
                         PROPOSAL.c.target_path.in_({r.get("checkpoint_path") for r in rows}),
                     )
                     .order_by(PROPOSAL.c.id.desc())
@@ -609,6 +678,18 @@ class Decisions:
                     incident_id=done["incident_id"],
                     reason="rolled back and resumed with continuity verified",
                 )
+
+
+def _approval(row: sa.RowMapping) -> Approve:
+    return Approve(
+        rollback=row["action"] == "rollback",
+        quarantine=bool(row["quarantine_node"] or row["quarantine_device"]),
+    )
+
+
+def _values(statuses: Iterable[StrEnum]) -> list[str]:
+    """Statuses as the plain strings the store binds."""
+    return [status.value for status in statuses]
 
 
 def view_of(connection: Connection, proposal_id: int) -> dict[str, Any]:

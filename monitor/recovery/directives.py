@@ -18,6 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.store import hook_settings, models
+from policies import directive_lifecycle
+from policies.directive_lifecycle import DirectiveStatus, Retired
 from policies.proposals import act_at_step
 
 DIRECTIVE = models.table_of(models.Directive)
@@ -50,7 +52,7 @@ def create_directive(
             "ranks": list(ranks) if ranks is not None else None,
             "act_at_step": act_at_step,
             "payload": payload or {},
-            "status": "pending",
+            "status": DirectiveStatus.PENDING.value,
             "incident_id": incident_id,
             "created_by": created_by,
             "created_at": now,
@@ -68,7 +70,7 @@ def pending_for(connection: Connection, run_id: int, incarnation: str, rank: int
         sa.select(DIRECTIVE)
         .where(
             DIRECTIVE.c.run_id == run_id,
-            DIRECTIVE.c.status == "pending",
+            DIRECTIVE.c.status == DirectiveStatus.PENDING.value,
             sa.or_(DIRECTIVE.c.incarnation.is_(None), DIRECTIVE.c.incarnation == incarnation),
             DIRECTIVE.c.id.not_in(answered),
         )
@@ -103,17 +105,19 @@ def retire_older_incarnations(connection: Connection, run_id: int, started_at: f
         DIRECTIVE.update()
         .where(
             DIRECTIVE.c.run_id == run_id,
-            DIRECTIVE.c.status == "pending",
+            DIRECTIVE.c.status.in_([status.value for status in directive_lifecycle.OPEN]),
             DIRECTIVE.c.incarnation.in_(older),
         )
-        .values(status="superseded")
+        .values(status=directive_lifecycle.outcome(Retired).value)
     )
     return int(retired.rowcount or 0)
 
 
 def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int | None) -> bool:
     query = sa.select(DIRECTIVE.c.id).where(
-        DIRECTIVE.c.run_id == run_id, DIRECTIVE.c.kind == kind, DIRECTIVE.c.status == "pending"
+        DIRECTIVE.c.run_id == run_id,
+        DIRECTIVE.c.kind == kind,
+        DIRECTIVE.c.status == DirectiveStatus.PENDING.value,
     )
     if incident_id is not None:
         query = query.where(DIRECTIVE.c.incident_id == incident_id)

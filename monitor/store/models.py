@@ -8,12 +8,16 @@ comparison the engine makes is arithmetic on them. Nonfinite floats are data; se
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
+
+from policies.directive_lifecycle import AckStatus, DirectiveStatus
+from policies.proposal_lifecycle import ProposalStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -61,6 +65,13 @@ def _nan_to_text(value: Any) -> Any:
 
 def _text_to_nan(value: Any) -> Any:
     return math.nan if value == "NaN" else value
+
+
+def status_check(statuses: type[StrEnum]) -> sa.CheckConstraint:
+    """The ``status`` column holds one of the lifecycle's statuses and nothing else (the moves
+    between them are decided in ``policies``; this keeps a stray write out of the store)."""
+    allowed = ", ".join(f"'{status.value}'" for status in statuses)
+    return sa.CheckConstraint(f"status IN ({allowed})", name="status")
 
 
 class Base(DeclarativeBase):
@@ -327,7 +338,10 @@ class Directive(Base):
     """An instruction to a run's hooks: dump stacks now, or (later) act at a named step."""
 
     __tablename__ = "directives"
-    __table_args__ = (sa.Index("ix_directives_run_status", "run_id", "status"),)
+    __table_args__ = (
+        sa.Index("ix_directives_run_status", "run_id", "status"),
+        status_check(DirectiveStatus),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
@@ -346,7 +360,10 @@ class DirectiveAck(Base):
     """A rank's acknowledgement of a directive. Key: (directive, incarnation, rank)."""
 
     __tablename__ = "directive_acks"
-    __table_args__ = (sa.UniqueConstraint("run_id", "directive_id", "incarnation", "rank"),)
+    __table_args__ = (
+        sa.UniqueConstraint("run_id", "directive_id", "incarnation", "rank"),
+        status_check(AckStatus),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
@@ -411,7 +428,10 @@ class Proposal(Base):
     """A proposed recovery for an incident, and what became of it."""
 
     __tablename__ = "proposals"
-    __table_args__ = (sa.Index("ix_proposals_run_status", "run_id", "status"),)
+    __table_args__ = (
+        sa.Index("ix_proposals_run_status", "run_id", "status"),
+        status_check(ProposalStatus),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
