@@ -26,6 +26,13 @@ from policies.hangs import HangConfig
 from policies.numerics import nonfinite_findings
 from policies.peers import RankWindow
 from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
+from policies.readiness import (
+    IncarnationWindows,
+    PendingWindow,
+    ReadinessConfig,
+    expected_ranks,
+    ready_windows,
+)
 from policies.series import SeriesConfig, SeriesState, observe_step
 from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers
 from policies.types import Finding, Severity, StepPoint
@@ -46,18 +53,9 @@ MAX_NAMED_RANKS = 8
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine decides a window is ready to judge, and every policy's config.
+    """How the engine decides a window is ready to judge (``readiness``: the watermarks, see
+    ``policies.readiness.ReadinessConfig``), and every policy's config.
 
-    ``watermark_attempts`` and ``watermark_s``: a window is judged with the ranks it has once
-    a window this many attempts later has arrived and the newest record's time is this many
-    seconds past the window's, so a dead rank cannot stall judgement; and the window itself has
-    waited that long at this service (its first sighting, by the service's clock), so ranks
-    replaying their spools after an outage are not given up on while they catch up. Each rank's sender
-    batches records for up to its flush interval, so in steady state some rank is routinely
-    that far behind the others: ``watermark_s`` is ``watermark_flushes`` (2) of the interval the
-    run's hook states in its run_start record plus ``watermark_slack_s`` (1 s), else
-    ``watermark_s`` (5 s: the hook's default 2 s interval). Attempts alone judged a quarter of
-    a 4-rank scenario's windows without their late rank, which hid a corrupted batch.
     ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
     does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
     ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
@@ -68,20 +66,13 @@ class EngineConfig:
     rank_loss: RankLossConfig = field(default_factory=RankLossConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     hangs: HangConfig = field(default_factory=HangConfig)
-    watermark_attempts: int = 2
-    watermark_s: float = 5.0
-    watermark_flushes: float = 2.0
-    watermark_slack_s: float = 1.0
+    readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     cached_windows: int = 1024
     judge_chunk: int = 256
 
     def __post_init__(self) -> None:
-        if self.watermark_attempts < 1 or self.cached_windows < 1 or self.judge_chunk < 1:
-            raise ValueError("EngineConfig: watermark_attempts, cached_windows and judge_chunk must be >= 1")
-        if self.watermark_s < 0 or self.watermark_flushes < 0 or self.watermark_slack_s < 0:
-            raise ValueError(
-                "EngineConfig: watermark_s, watermark_flushes and watermark_slack_s must be >= 0"
-            )
+        if self.cached_windows < 1 or self.judge_chunk < 1:
+            raise ValueError("EngineConfig: cached_windows and judge_chunk must be >= 1")
 
 
 def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
@@ -128,7 +119,7 @@ class _RunState:
     declared: set[str] = field(default_factory=set)  # world size from the run-start record
     watermark_s: dict[str, float] = field(default_factory=dict)
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
-    # When this service first saw each window still unjudged (its clock): see ``_ready``.
+    # When this service first saw each window still unjudged (its clock): see ``policies.readiness``.
     arrived: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
@@ -291,6 +282,7 @@ class PolicyEngine:
     def _ready(
         self, connection: Connection, run_id: int, state: _RunState, now: float | None = None
     ) -> list[dict[str, Any]]:
+        """The unjudged windows to judge now, in order (the decision: ``policies.readiness``)."""
         pending = [
             dict(row)
             for row in connection.execute(
@@ -305,47 +297,42 @@ class PolicyEngine:
         for summary in pending:
             by_incarnation.setdefault(summary["incarnation"], []).append(summary)
         self._learn_world_sizes(connection, run_id, state, by_incarnation)
-        ready: list[dict[str, Any]] = []
-        # A job that restarted sends nothing more for the incarnations before its newest, so their
-        # windows are ready now and judged first: after the new one's, they would look like one
-        # more restart.
         order = self._start_order(connection, run_id, list(by_incarnation))
-        newest_incarnation = order[-1]
-        for incarnation in order:
-            summaries = by_incarnation[incarnation]
-            if incarnation != newest_incarnation:
-                ready += sorted(summaries, key=lambda s: s["attempt"])
-                continue
-            summaries.sort(key=lambda s: s["attempt"])
-            newest = summaries[-1]["attempt"]
-            newest_time = max(s["last_time"] for s in summaries)
-            expected = state.world_size.get(incarnation, 1)
-            wait_s = state.watermark_s.get(incarnation, self._config.watermark_s)
-            # A missing rank is given up on only once the window has also waited here that long:
-            # after an outage the ranks' spools are replayed in bursts, one rank's far ahead of
-            # the others', and record times alone would judge the windows between without the
-            # ranks still replaying (a bad batch on one of them went unseen). Every waiting
-            # window's first sighting is noted now, not when the loop reaches it, so a dead
-            # rank's windows are released together rather than one watermark apart.
-            seen_now = self._clock()
-            for summary in summaries:
-                state.arrived.setdefault((incarnation, summary["attempt"]), seen_now)
-            for summary in summaries:
-                complete = summary["ranks_reported"] >= expected
-                waited = seen_now - state.arrived[(incarnation, summary["attempt"])]
-                overtaken = waited >= wait_s and (
-                    (
-                        summary["attempt"] <= newest - self._config.watermark_attempts
-                        and newest_time - summary["last_time"] >= wait_s
-                    )
-                    or (now is not None and now - summary["last_time"] >= 2 * wait_s)
-                )
-                if not (complete or overtaken):
-                    break  # judge in order: a later window waits for this one
-                ready.append(summary)
+        # Every waiting window's first sighting is noted now, not when the decision reaches it,
+        # so a dead rank's windows are released together rather than one watermark apart.
+        seen_now = self._clock()
+        for summary in by_incarnation[order[-1]]:
+            state.arrived.setdefault((order[-1], summary["attempt"]), seen_now)
+        groups = [
+            self._waiting(state, incarnation, by_incarnation[incarnation], seen_now) for incarnation in order
+        ]
+        by_key = {(s["incarnation"], s["attempt"]): s for s in pending}
+        ready = [
+            by_key[(w.incarnation, w.attempt)]
+            for w in ready_windows(groups, seen_now, now, self._config.readiness)
+        ]
         for summary in ready:
             state.arrived.pop((summary["incarnation"], summary["attempt"]), None)
         return ready
+
+    def _waiting(
+        self, state: _RunState, incarnation: str, summaries: list[dict[str, Any]], seen_now: float
+    ) -> IncarnationWindows:
+        windows = [
+            PendingWindow(
+                attempt=s["attempt"],
+                ranks_reported=s["ranks_reported"],
+                last_time=s["last_time"],
+                first_seen=state.arrived.get((incarnation, s["attempt"]), seen_now),
+            )
+            for s in summaries
+        ]
+        return IncarnationWindows(
+            incarnation,
+            windows,
+            expected_ranks=state.world_size.get(incarnation, 1),
+            watermark_s=state.watermark_s.get(incarnation, self._config.readiness.watermark_s),
+        )
 
     def _start_order(self, connection: Connection, run_id: int, incarnations: list[str]) -> list[str]:
         """Incarnations in the order they began (their run_start or first record); those the
@@ -367,11 +354,9 @@ class PolicyEngine:
         state: _RunState,
         by_incarnation: dict[str, list[dict[str, Any]]],
     ) -> None:
-        """World size from the run-start record; until it arrives (a new incarnation's first
-        records can come from any rank, before rank 0's run start), the run's newest declared
-        world size or the most ranks yet seen, whichever is more: a guess of one rank judged a
-        resumed incarnation's windows on whichever rank reported first, the others' records
-        arriving late. The watermark from the flush interval the run-start record states."""
+        """Each incarnation's expected ranks (``policies.readiness.expected_ranks``: declared in
+        its run-start record, else guessed) and its watermark from the flush interval the
+        run-start record states. The store is asked only about incarnations not declared yet."""
         unknown = [inc for inc in by_incarnation if inc not in state.declared]
         declared = {}
         prior = 1
@@ -385,21 +370,17 @@ class PolicyEngine:
             for row in started:
                 flush_s = hook_settings.stated(row.config, "flush_s")
                 if flush_s is not None:
-                    config = self._config
-                    state.watermark_s[row.incarnation] = (
-                        config.watermark_flushes * flush_s + config.watermark_slack_s
-                    )
+                    state.watermark_s[row.incarnation] = self._config.readiness.watermark_for(flush_s)
             if any(inc not in declared for inc in unknown):
                 prior = queries.newest_world_size(connection, run_id) or 1
         for incarnation, summaries in by_incarnation.items():
-            if incarnation in declared:
-                state.world_size[incarnation] = declared[incarnation]
-                state.declared.add(incarnation)
-                continue
             if incarnation in state.declared:
                 continue
             seen = max(s["ranks_reported"] for s in summaries)
-            state.world_size[incarnation] = max(state.world_size.get(incarnation, prior), seen)
+            guessed = state.world_size.get(incarnation)
+            state.world_size[incarnation] = expected_ranks(declared.get(incarnation), guessed, prior, seen)
+            if incarnation in declared:
+                state.declared.add(incarnation)
 
 
 def _rank_nonfinite(window: RankWindow) -> list[Finding]:
