@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
         sys.modules[name] = None  # `import torch` now raises ImportError, as if not installed
     import json, uuid
     from monitor.cli import main
-    from monitor.api.routes import routes as api, server# noqa: F401
+    from monitor.api import routes, server  # noqa: F401
     from monitor.judge import engine
     from monitor.store import migrate, queries, export
     from monitor.store.db import create_store_engine, resolve_url
