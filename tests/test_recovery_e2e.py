@@ -70,6 +70,11 @@ class Scenario:
         self.engine = create_store_engine(resolve_url(str(self.db), {}))
         with self.engine.begin() as connection:
             self.operator = add_operator(connection, "oncall-alice", actor="tests", now=time.time())
+        self.ranks: list[subprocess.Popen[bytes]] = []
+
+    def launch(self, *extra: str) -> list[subprocess.Popen[bytes]]:
+        self.ranks = launch(self.root, self.serve, self.run, self.token, *extra)
+        return self.ranks
 
     def proposals(self) -> list[dict[str, Any]]:
         with self.engine.connect() as connection:
@@ -103,6 +108,11 @@ class Scenario:
         return json.loads(out.read_text())
 
     def close(self) -> None:
+        # A test that failed before finish() leaves its ranks training: end them by PID.
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
         self.engine.dispose()
         self.serve.stop()
 
@@ -119,11 +129,7 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
     replay = (
         f"{sys.executable} -m monitor.demo.replay --task sequence --corrupt {corrupt} {{spec}} {{result}}"
     )
-    ranks = launch(
-        scenario.root,
-        scenario.serve,
-        scenario.run,
-        scenario.token,
+    ranks = scenario.launch(
         "--corrupt",
         corrupt,
         "--wait-rollback",
@@ -185,11 +191,7 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
 
 
 def test_a_faulty_device_is_found_by_its_canary_and_its_node_quarantined(scenario: Scenario) -> None:
-    ranks = launch(
-        scenario.root,
-        scenario.serve,
-        scenario.run,
-        scenario.token,
+    ranks = scenario.launch(
         "--faulty-rank",
         "2",
         "--training-flips",
@@ -215,11 +217,7 @@ def test_a_fault_without_a_reproducible_cause_stays_undetermined_and_quarantines
     scenario: Scenario,
 ) -> None:
     replay = f"{sys.executable} -m monitor.demo.replay --task sequence {{spec}} {{result}}"
-    ranks = launch(
-        scenario.root,
-        scenario.serve,
-        scenario.run,
-        scenario.token,
+    ranks = scenario.launch(
         "--transient",
         "1:45",
         "--steps",

@@ -22,6 +22,7 @@ from monitor.recovery import checkpoints, directives
 from monitor.recovery.evidence import incident_evidence
 from monitor.recovery.quarantine import ActionConfig, quarantine
 from monitor.store import audit, models, queries
+from monitor.store.queries import list_proposals, proposal_view  # the reads: callers still find them here
 from policies import directive_lifecycle, proposal_lifecycle
 from policies.diagnosis import Verdict, diagnose
 from policies.directive_lifecycle import Ack, AckStatus, DirectiveEffect, DirectiveEvent
@@ -703,43 +704,6 @@ def view_of(connection: Connection, proposal_id: int) -> dict[str, Any]:
         .one()
     )
     return proposal_view(row)
-
-
-def proposal_view(row: Any) -> dict[str, Any]:
-    return {
-        "id": row["id"],
-        "run": row["run"],
-        "incident": row["incident_id"],
-        "action": row["action"],
-        "status": row["status"],
-        "target": {
-            "checkpoint": row["checkpoint_id"],
-            "step": row["target_step"],
-            "path": row["target_path"],
-        },
-        "data_action": row["data_action"],
-        "skip_batches": row["skip_batches"],
-        "quarantine": {"node": row["quarantine_node"], "device": row["quarantine_device"]},
-        "verdict": row["verdict"],
-        "cost_steps": row["cost_steps"],
-        "evidence": row["evidence"],
-        "created_at": row["created_at"],
-        "decided_by": row["decided_by"],
-        "decided_at": row["decided_at"],
-        "reason": row["decision_reason"],
-        "directive": row["directive_id"],
-    }
-
-
-def list_proposals(
-    connection: Connection, run: str | None = None, status: str | None = None
-) -> list[dict[str, Any]]:
-    query = sa.select(PROPOSAL, RUN.c.name.label("run")).join(RUN, RUN.c.id == PROPOSAL.c.run_id)
-    if run is not None:
-        query = query.where(RUN.c.name == run)
-    if status is not None:
-        query = query.where(PROPOSAL.c.status == status)
-    return [proposal_view(row) for row in connection.execute(query.order_by(PROPOSAL.c.id)).mappings()]
 
 
 __all__ = ["DecisionConfig", "Decisions", "Outcome", "list_proposals", "view_of"]
