@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from realcurves import Case, bigscience_cases, clean_controls
 from scenarios import Outcome, run_corpus
 
-from policies.backtest import replay_series
+from policies.backtest import backtest_series
 from policies.series import SeriesConfig
 
 
 def score_case(case: Case, config: SeriesConfig) -> dict[str, Any]:
-    result = replay_series(case.points, config)
+    result = backtest_series(case.points, config)
     steps = [p.step for p in case.points]
     incidents = [i.view for i in result.incidents]
     caught, false = None, []

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from realcurves import clean_controls
 
-from policies.backtest import replay_series
+from policies.backtest import backtest_series
 from policies.series import SeriesConfig
 from policies.types import StepPoint
 
@@ -44,7 +44,7 @@ def planted(points: tuple[StepPoint, ...], positions: list[int], factor: float) 
 def score(points: tuple[StepPoint, ...], gap: int, factor: float, config: SeriesConfig) -> dict[str, Any]:
     positions = list(range(FIRST, len(points) - 10, gap))
     spiked = {points[i].step for i in positions}
-    result = replay_series(planted(points, positions, factor), config)
+    result = backtest_series(planted(points, positions, factor), config)
     first_steps = {incident.view.first_step for incident in result.incidents}
     return {
         "factor": factor,

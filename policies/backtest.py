@@ -14,20 +14,20 @@ from policies.types import Finding, IncidentView, StepPoint
 
 
 @dataclass(frozen=True)
-class ReplayedIncident:
+class BacktestIncident:
     view: IncidentView
     summary: str
 
 
 @dataclass(frozen=True)
-class ReplayResult:
+class BacktestResult:
     steps: int
     findings: tuple[tuple[Finding, int], ...]
     """Each finding with the key of the incident it joined."""
-    incidents: tuple[ReplayedIncident, ...]
+    incidents: tuple[BacktestIncident, ...]
 
 
-def replay_series(points: Iterable[StepPoint], config: SeriesConfig) -> ReplayResult:
+def backtest_series(points: Iterable[StepPoint], config: SeriesConfig) -> BacktestResult:
     state = SeriesState.empty(config)
     views: dict[int, IncidentView] = {}
     summaries: dict[int, str] = {}
@@ -46,5 +46,5 @@ def replay_series(points: Iterable[StepPoint], config: SeriesConfig) -> ReplayRe
                 key = match.key
                 views[key] = extend(match, finding)
             findings.append((finding, key))
-    incidents = tuple(ReplayedIncident(views[key], summaries[key]) for key in sorted(views))
-    return ReplayResult(steps=steps, findings=tuple(findings), incidents=incidents)
+    incidents = tuple(BacktestIncident(views[key], summaries[key]) for key in sorted(views))
+    return BacktestResult(steps=steps, findings=tuple(findings), incidents=incidents)

@@ -13,6 +13,7 @@ import typer
 
 from monitor.cli.options import DbOption, JsonOption, TokenOption, UrlOption, reading
 from monitor.cli.render import UserError, out, print_json, table
+from monitor.store import queries
 
 PROPOSAL_COLUMNS = [
     "id",
@@ -96,10 +97,8 @@ def proposals(
             "proposals"
         ]
     else:
-        from monitor.recovery.decisions import list_proposals
-
         with reading(db) as connection:
-            listed = list_proposals(connection, run, status)
+            listed = queries.list_proposals(connection, run, status)
     if as_json:
         print_json({"proposals": listed})
         return

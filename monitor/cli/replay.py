@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
 from monitor.cli.options import DbOption, JsonOption, cli_actor, open_engine
 from monitor.cli.render import print_json
+from monitor.config import ServiceConfig
 
 
 def replay(
@@ -23,8 +25,10 @@ def replay(
     """Run the trainer's replay entry point for an incident and record the verdict."""
     from monitor.recovery.replay_verdicts import replay_incident
 
+    # the workflow's settings (retries, quarantine) are the service's, read from this environment
+    decision_config = ServiceConfig.from_environ(os.environ).decisions
     engine = open_engine(db)
-    result = replay_incident(engine, incident_id, command, timeout, actor=cli_actor())
+    result = replay_incident(engine, incident_id, command, timeout, cli_actor(), decision_config)
     if as_json:
         print_json(result)
     else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -11,7 +10,6 @@ from sqlalchemy.engine import Engine
 
 from monitor.recovery import checkpoints
 from monitor.recovery.decisions import DecisionConfig, Decisions
-from monitor.recovery.quarantine import ActionConfig
 from monitor.recovery.replay_jobs import ReplayError, record_replay, registered_command, run_replay
 from monitor.store import audit, models
 from policies.checkpoints import rewind_target
@@ -59,8 +57,15 @@ def replay_spec(engine: Engine, incident_id: int) -> tuple[int, dict[str, Any]]:
 
 
 def replay_incident(
-    engine: Engine, incident_id: int, command: str | None, timeout_s: float, actor: str
+    engine: Engine,
+    incident_id: int,
+    command: str | None,
+    timeout_s: float,
+    actor: str,
+    decision_config: DecisionConfig,
 ) -> dict[str, Any]:
+    """Run the replay and record its verdict; ``decision_config`` is the service's workflow settings
+    (retries, quarantine), handed in by the caller that read them."""
     run_id, spec = replay_spec(engine, incident_id)
     with engine.connect() as connection:
         command = command or registered_command(connection, run_id)
@@ -73,7 +78,7 @@ def replay_incident(
         result, output = run_replay(command, spec, timeout_s)
     except ReplayError as exc:
         result, output = None, str(exc)
-    decisions = Decisions(engine, DecisionConfig(actions=ActionConfig.from_environ(os.environ)), time.time)
+    decisions = Decisions(engine, decision_config, time.time)
     with engine.begin() as connection:
         diagnosis = record_replay(
             connection, run_id, incident_id, command, spec, result, output, started, time.time()

@@ -19,6 +19,7 @@ INCIDENT = models.table_of(models.Incident)
 FINDING = models.table_of(models.FindingRow)
 STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
+PROPOSAL = models.table_of(models.Proposal)
 
 
 class NotFound(LookupError):
@@ -190,7 +191,6 @@ def get_incident(connection: Connection, incident_id: int) -> dict[str, Any]:
     )
     if row is None:
         raise NotFound(f"no incident {incident_id}")
-    from monitor.recovery.decisions import list_proposals
     from monitor.store import audit
 
     incident = incident_document(row)
@@ -200,6 +200,43 @@ def get_incident(connection: Connection, incident_id: int) -> dict[str, Any]:
     ]
     incident["story"] = audit.story(connection, incident_id)
     return incident
+
+
+def list_proposals(
+    connection: Connection, run: str | None = None, status: str | None = None
+) -> list[dict[str, Any]]:
+    query = sa.select(PROPOSAL, RUN.c.name.label("run")).join(RUN, RUN.c.id == PROPOSAL.c.run_id)
+    if run is not None:
+        query = query.where(RUN.c.name == run)
+    if status is not None:
+        query = query.where(PROPOSAL.c.status == status)
+    return [proposal_view(row) for row in connection.execute(query.order_by(PROPOSAL.c.id)).mappings()]
+
+
+def proposal_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "run": row["run"],
+        "incident": row["incident_id"],
+        "action": row["action"],
+        "status": row["status"],
+        "target": {
+            "checkpoint": row["checkpoint_id"],
+            "step": row["target_step"],
+            "path": row["target_path"],
+        },
+        "data_action": row["data_action"],
+        "skip_batches": row["skip_batches"],
+        "quarantine": {"node": row["quarantine_node"], "device": row["quarantine_device"]},
+        "verdict": row["verdict"],
+        "cost_steps": row["cost_steps"],
+        "evidence": row["evidence"],
+        "created_at": row["created_at"],
+        "decided_by": row["decided_by"],
+        "decided_at": row["decided_at"],
+        "reason": row["decision_reason"],
+        "directive": row["directive_id"],
+    }
 
 
 def list_findings(

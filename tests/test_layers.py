@@ -1,0 +1,81 @@
+"""The import contracts in pyproject.toml (``[tool.importlinter]``), checked by the real
+``lint-imports``: they hold for this tree, and each kind breaks when a forbidden import is added."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import missing
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("policies", "collectors", "monitor")
+
+
+def lint_imports() -> Path:
+    """The venv's ``lint-imports``, beside this interpreter (CI fails rather than skips without it)."""
+    found = Path(sys.executable).parent / "lint-imports"
+    if not found.is_file():
+        missing(f"lint-imports is not installed beside {sys.executable} (pip install import-linter)")
+    return found
+
+
+def run_contracts(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` over the packages under ``root``, with that tree's pyproject.toml."""
+    # The packages under root come first on the path, ahead of the editable install of this tree;
+    # --no-cache keeps the tool from writing a cache into the tree it reads.
+    environ = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "200"}  # one line per verdict
+    return subprocess.run(
+        [str(lint_imports()), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_tree_keeps_every_contract() -> None:
+    result = run_contracts(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.fixture
+def tree_copy(tmp_path: Path) -> Path:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("module", "added", "contract"),
+    [
+        ("policies/spike.py", "monitor.store.models", "policies imports neither side"),
+        ("policies/spike.py", "sqlalchemy", "policies is pure"),
+        ("collectors/spool.py", "monitor.store.floats", "collectors imports no service code"),
+        ("monitor/judge/engine.py", "collectors.leftovers", "monitor imports no trainer code"),
+        ("monitor/store/queries.py", "monitor.recovery.decisions", "monitor in layers"),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(
+    tree_copy: Path, module: str, added: str, contract: str
+) -> None:
+    untouched = run_contracts(tree_copy)
+    assert untouched.returncode == 0, untouched.stdout + untouched.stderr  # the copy is what is read
+    source = tree_copy / module
+    source.write_text(source.read_text() + f"\nimport {added}  # noqa: E402, F401\n")
+
+    broken = run_contracts(tree_copy)
+
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    importer = module.removesuffix(".py").replace("/", ".")
+    assert f"{importer} -> {added}" in broken.stdout
+    verdicts = [line for line in broken.stdout.splitlines() if line.startswith(contract)]
+    assert verdicts and "BROKEN" in verdicts[0].split(), broken.stdout
