@@ -17,7 +17,7 @@ import polars as pl
 
 from monitor.judge.engine import point_from_summary
 from monitor.judge.summaries import empty_summary, fold
-from policies.backtest import ReplayResult, replay_series
+from policies.backtest import BacktestResult, backtest_series
 from policies.series import SeriesConfig
 from policies.types import StepPoint
 
@@ -263,11 +263,11 @@ def load_series(path: Path, mapping: Mapping[str, str], run: str | None) -> Load
 @dataclass(frozen=True)
 class BacktestReport:
     run: str | None
-    result: ReplayResult
+    result: BacktestResult
 
 
 def backtest(loaded: LoadedFile, config: SeriesConfig) -> list[BacktestReport]:
-    return [BacktestReport(s.run, replay_series(s.points, config)) for s in loaded.series]
+    return [BacktestReport(s.run, backtest_series(s.points, config)) for s in loaded.series]
 
 
 def report_json(reports: list[BacktestReport], notes: list[str], path: Path) -> dict[str, Any]:
