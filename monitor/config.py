@@ -1,41 +1,22 @@
-"""The service's configuration, read once from an injected environment mapping."""
+"""The service's configuration: one frozen dataclass per component, composed here.
+
+Read once, from an injected environment mapping and an optional TOML file, by
+``monitor.settings``; every field of every nested config is a setting."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from monitor.judge.canaries import CanaryServiceConfig
 from monitor.judge.engine import EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.decisions import DecisionConfig
-from monitor.recovery.quarantine import ActionConfig
 from policies.devices import DevicesConfig
-from policies.hangs import HangConfig
 
 
 class ConfigError(ValueError):
-    pass
-
-
-def _number(environ: Mapping[str, str], name: str, default: float, kind: type[int] | type[float]) -> Any:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        what = "an integer" if kind is int else "a number"
-        raise ConfigError(f"{name} must be {what}, got {raw!r}") from exc
-
-
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
-    return int(_number(environ, name, default, int))
-
-
-def _float(environ: Mapping[str, str], name: str, default: float) -> float:
-    return float(_number(environ, name, default, float))
+    """A setting that cannot be used; the message names the variable or file key that set it."""
 
 
 @dataclass(frozen=True)
@@ -66,24 +47,11 @@ class ServiceConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str], db: str | None = None) -> ServiceConfig:
-        return cls(
-            db=db or environ.get("RUNHEALTH_DB") or None,
-            admin_token=environ.get("RUNHEALTH_ADMIN_TOKEN") or None,
-            decisions=DecisionConfig(actions=ActionConfig.from_environ(environ)),
-            metrics=MetricsConfig.from_environ(environ),
-            engine=EngineConfig(
-                hangs=HangConfig(
-                    min_timeout_s=_float(environ, "RUNHEALTH_HANG_MIN_TIMEOUT_S", HangConfig.min_timeout_s),
-                    heartbeat_interval_s=_float(
-                        environ, "RUNHEALTH_HEARTBEAT_S", HangConfig.heartbeat_interval_s
-                    ),
-                )
-            ),
-            ingest=IngestConfig(
-                max_batch_bytes=_int(environ, "RUNHEALTH_MAX_BATCH_BYTES", IngestConfig.max_batch_bytes),
-                max_batch_records=_int(
-                    environ, "RUNHEALTH_MAX_BATCH_RECORDS", IngestConfig.max_batch_records
-                ),
-            ),
-        )
+    def from_environ(
+        cls, environ: Mapping[str, str], db: str | None = None, file: str | None = None
+    ) -> ServiceConfig:
+        """Defaults, then the settings file (``file``, else ``$RUNHEALTH_CONFIG``), then the
+        ``RUNHEALTH_*`` variables; ``db`` (``--db``) over all. See ``monitor.settings``."""
+        from monitor.settings import service_config  # here: the settings are built over this class
+
+        return service_config(environ, file=file, db=db)

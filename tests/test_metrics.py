@@ -530,20 +530,20 @@ def test_names_follow_the_prometheus_conventions() -> None:
 
 
 def test_config_from_the_environment() -> None:
-    config = MetricsConfig.from_environ(
+    config = ServiceConfig.from_environ(
         {
             "RUNHEALTH_METRICS_TOP_STRAGGLERS": "3",
             "RUNHEALTH_METRICS_DEVICE_SERIES": "node",
             "RUNHEALTH_METRICS_PER_DEVICE_LIMIT": "64",
         }
-    )
+    ).metrics
     assert config == MetricsConfig(top_stragglers=3, device_series="node", per_device_limit=64)
-    assert MetricsConfig.from_environ({}) == MetricsConfig()
+    assert ServiceConfig.from_environ({}).metrics == MetricsConfig()
     assert ServiceConfig.from_environ({"RUNHEALTH_METRICS_LINK_SERIES": "off"}).metrics.link_series == "off"
     with pytest.raises(ConfigError):
-        MetricsConfig.from_environ({"RUNHEALTH_METRICS_TOP_STRAGGLERS": "many"})
+        ServiceConfig.from_environ({"RUNHEALTH_METRICS_TOP_STRAGGLERS": "many"})
     with pytest.raises(ConfigError):
-        MetricsConfig.from_environ({"RUNHEALTH_METRICS_LINK_SERIES": "device"})
+        ServiceConfig.from_environ({"RUNHEALTH_METRICS_LINK_SERIES": "device"})
     with pytest.raises(ValueError):
         MetricsConfig(recent_windows=1)
     assert MetricsConfig().device_grain(1024) == "device" and MetricsConfig().device_grain(1025) == "node"

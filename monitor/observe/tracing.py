@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, Span, SpanContext, TraceFlags
 
 from monitor.config import ConfigError
+from policies.flags import FlagError, parse_flag
 
 ExporterFactory = Callable[[Mapping[str, str]], SpanExporter]
 Attributes = Mapping[str, str | int | float | bool]
@@ -273,7 +274,7 @@ def new_provider(resource: Resource, sampler: sampling.Sampler) -> TracerProvide
 
 
 def exporter_names(environ: Mapping[str, str]) -> list[str]:
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    if sdk_disabled(environ):
         return []
     raw = environ.get("OTEL_TRACES_EXPORTER", "").strip()
     if not raw:
@@ -281,6 +282,16 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
         return ["otlp"] if any(environ.get(name, "").strip() for name in endpoints) else []
     names = [name.strip().lower() for name in raw.split(",") if name.strip()]
     return [name for name in names if name != "none"]
+
+
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    """``OTEL_SDK_DISABLED``, spelled as every runhealth yes/no is (policies.flags): the spec's
+    ``true`` and ``false`` read as it says, and a misspelling is an error, not "enabled"."""
+    raw = environ.get("OTEL_SDK_DISABLED", "").strip()
+    try:
+        return bool(raw) and parse_flag(raw, "OTEL_SDK_DISABLED")
+    except FlagError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resource_from(environ: Mapping[str, str]) -> Resource:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEVICE_GRAINS = ("auto", "device", "node", "off")
@@ -62,33 +61,3 @@ class MetricsConfig:
         if self.link_series != "auto":
             return self.link_series
         return "port" if ports <= self.per_device_limit else "node"
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> MetricsConfig:
-        """``RUNHEALTH_METRICS_TOP_STRAGGLERS``, ``RUNHEALTH_METRICS_DEVICE_SERIES`` (auto,
-        device, node, off), ``RUNHEALTH_METRICS_LINK_SERIES`` (auto, port, node, off) and
-        ``RUNHEALTH_METRICS_PER_DEVICE_LIMIT``; unset ones keep their defaults."""
-        return cls(
-            top_stragglers=_count(environ, "RUNHEALTH_METRICS_TOP_STRAGGLERS", cls.top_stragglers),
-            device_series=_choice(environ, "RUNHEALTH_METRICS_DEVICE_SERIES", DEVICE_GRAINS),
-            link_series=_choice(environ, "RUNHEALTH_METRICS_LINK_SERIES", LINK_GRAINS),
-            per_device_limit=_count(environ, "RUNHEALTH_METRICS_PER_DEVICE_LIMIT", cls.per_device_limit),
-        )
-
-
-def _count(environ: Mapping[str, str], name: str, default: int) -> int:
-    from monitor.config import ConfigError  # here: monitor.config imports this module
-
-    raw = environ.get(name, "").strip()
-    if raw and not raw.isdigit():
-        raise ConfigError(f"{name} must be a count, got {raw!r}")
-    return int(raw) if raw else default
-
-
-def _choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
-    from monitor.config import ConfigError
-
-    raw = environ.get(name, "").strip().lower() or choices[0]
-    if raw not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
-    return raw
