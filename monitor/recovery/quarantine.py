@@ -40,14 +40,6 @@ class ActionConfig:
         if self.timeout_s <= 0:
             raise ValueError("ActionConfig.timeout_s must be positive")
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> ActionConfig:
-        return cls(
-            command=environ.get("RUNHEALTH_QUARANTINE_COMMAND") or None,
-            webhook=environ.get("RUNHEALTH_QUARANTINE_WEBHOOK") or None,
-            live=environ.get("RUNHEALTH_QUARANTINE_LIVE", "").lower() in ("1", "true", "yes"),
-        )
-
 
 def quarantine(
     connection: Connection,
