@@ -1,3 +1,5 @@
+"""``python -m monitor``: the ``runhealth`` command line."""
+
 from monitor.cli import main
 
 main()
