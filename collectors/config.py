@@ -18,8 +18,7 @@ from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.tokens import IGNORE_INDEX
 from collectors.transport import TransportConfig
-
-SERVICE_SAMPLE_ID_LIMIT = 100_000  # monitor.ingest.schemas.StepIn.sample_ids
+from policies.protocol import SAMPLE_ID_LIMIT  # the service's bound on a step's sample ids
 
 
 class ConfigError(ValueError):
@@ -54,9 +53,9 @@ class HookConfig:
     canary_on_checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_sample_ids <= SERVICE_SAMPLE_ID_LIMIT:
+        if not 0 <= self.max_sample_ids <= SAMPLE_ID_LIMIT:
             raise ConfigError(
-                f"HookConfig.max_sample_ids must be in [0, {SERVICE_SAMPLE_ID_LIMIT}], "
+                f"HookConfig.max_sample_ids must be in [0, {SAMPLE_ID_LIMIT}], "
                 f"got {self.max_sample_ids}"
             )
         if self.max_phase_marks < 2:

@@ -1,16 +1,22 @@
 """Records on the wire: JSON, with nonfinite floats written as names.
 
-The service (``monitor.store.floats``) reads ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` where a
-number is expected; standard JSON has no token for them, and a NaN loss is the very signal
-runhealth exists to catch, so they must survive the trip.
+The service reads ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` where a number is expected;
+standard JSON has no token for them, and a NaN loss is the very signal runhealth exists to
+catch, so they must survive the trip. The codec is the protocol's
+(``policies.protocol.nonfinite``), shared with the service; records are built through the
+protocol too (``policies.protocol.build``; step records in ``collectors.window``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from policies.protocol import to_wire
+
+# ``to_wire`` is re-exported for the callers that still import it from here (collectors.hook).
+__all__ = ["Draft", "Record", "decode_line", "encode_batch", "encode_line", "to_wire"]
 
 Record = dict[str, Any]
 
@@ -43,26 +49,6 @@ class Draft:
 
     def render(self) -> Record:
         raise NotImplementedError
-
-
-def wire_float(value: float) -> float | str:
-    """A float as the service reads it: finite as is, nonfinite by name."""
-    if math.isfinite(value):
-        return value
-    if math.isnan(value):
-        return "NaN"
-    return "Infinity" if value > 0 else "-Infinity"
-
-
-def to_wire(obj: Any) -> Any:
-    """A copy of ``obj`` with every nonfinite float replaced by its name."""
-    if isinstance(obj, float):
-        return wire_float(obj)
-    if isinstance(obj, Mapping):
-        return {key: to_wire(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [to_wire(value) for value in obj]
-    return obj
 
 
 def encode_batch(records: Sequence[Record]) -> bytes:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitor.store.floats import dumps, dumps_str, float_from_wire, float_to_wire, to_wire
+from monitor.store.floats import dumps, dumps_str
+from policies.protocol import float_from_wire, float_to_wire, to_wire
 
 NONFINITE = [(math.nan, "NaN"), (math.inf, "Infinity"), (-math.inf, "-Infinity")]
 

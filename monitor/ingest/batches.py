@@ -19,10 +19,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from monitor.ingest.schemas import HeartbeatIn, RunFinishIn, RunStartIn
 from monitor.recovery import directives
 from monitor.store import models
-from monitor.store.floats import to_wire
+from policies import protocol
+from policies.protocol import to_wire
 
 
 class InvalidRecord(Exception):
@@ -55,21 +55,16 @@ class TableSpec:
     """Some field holds a free-form dict (hashed with sorted keys)."""
 
 
+# Keys are the protocol's (``policies.protocol.kinds``); a table holds them with its run.
 KEYED_TABLES: dict[str, TableSpec] = {
-    "step": TableSpec(
-        models.table_of(models.StepRecord), ("incarnation", "rank", "attempt"), has_dicts=False
-    ),
-    "device_sample": TableSpec(models.table_of(models.DeviceSample), ("node", "device_uuid", "seq")),
-    "link_sample": TableSpec(models.table_of(models.LinkSample), ("node", "device", "port", "seq")),
-    "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), ("path",), flat=False),
-    "resume": TableSpec(models.table_of(models.ResumeEvent), ("incarnation", "rank")),
-    "stack_dump": TableSpec(
-        models.table_of(models.StackDump), ("incarnation", "rank", "time"), has_dicts=False
-    ),
-    "canary_result": TableSpec(
-        models.table_of(models.CanaryResult), ("incarnation", "rank", "step"), flat=False
-    ),
-    "directive_ack": TableSpec(models.table_of(models.DirectiveAck), ("directive_id", "incarnation", "rank")),
+    "step": TableSpec(models.table_of(models.StepRecord), protocol.STEP.key, has_dicts=False),
+    "device_sample": TableSpec(models.table_of(models.DeviceSample), protocol.DEVICE_SAMPLE.key),
+    "link_sample": TableSpec(models.table_of(models.LinkSample), protocol.LINK_SAMPLE.key),
+    "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), protocol.CHECKPOINT.key, flat=False),
+    "resume": TableSpec(models.table_of(models.ResumeEvent), protocol.RESUME.key),
+    "stack_dump": TableSpec(models.table_of(models.StackDump), protocol.STACK_DUMP.key, has_dicts=False),
+    "canary_result": TableSpec(models.table_of(models.CanaryResult), protocol.CANARY_RESULT.key, flat=False),
+    "directive_ack": TableSpec(models.table_of(models.DirectiveAck), protocol.DIRECTIVE_ACK.key),
 }
 
 
@@ -273,7 +268,7 @@ def _stored_hashes(
 
 
 def _ingest_run_starts(
-    connection: Connection, run_id: int, indexed: list[tuple[int, RunStartIn]], result: IngestResult
+    connection: Connection, run_id: int, indexed: list[tuple[int, Any]], result: IngestResult
 ) -> int:
     table = models.table_of(models.Incarnation)
     stored = 0
@@ -307,7 +302,7 @@ def _ingest_run_starts(
 def _ingest_run_finishes(
     connection: Connection,
     run_id: int,
-    indexed: list[tuple[int, RunFinishIn]],
+    indexed: list[tuple[int, Any]],
     result: IngestResult,
 ) -> int:
     table = models.table_of(models.Incarnation)
@@ -336,9 +331,9 @@ def _ingest_run_finishes(
     return stored
 
 
-def _ingest_heartbeats(connection: Connection, run_id: int, records: list[HeartbeatIn], now: float) -> int:
+def _ingest_heartbeats(connection: Connection, run_id: int, records: list[Any], now: float) -> int:
     """Keep each rank's newest heartbeat; an older one arriving late changes nothing."""
-    latest: dict[tuple[str, int], HeartbeatIn] = {}
+    latest: dict[tuple[str, int], Any] = {}
     for record in records:
         key = (record.incarnation, record.rank)
         if key not in latest or record.time > latest[key].time:

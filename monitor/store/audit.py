@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.store import models
-from monitor.store.floats import to_wire
+from policies.protocol import to_wire
 
 AUDIT = models.table_of(models.AuditEntry)
 GENESIS = "0" * 64

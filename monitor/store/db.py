@@ -11,7 +11,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 
-from monitor.store.floats import to_wire
+from policies.protocol import to_wire
 
 DEFAULT_DB_FILE = "runhealth.db"
 

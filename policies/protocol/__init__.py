@@ -1,0 +1,87 @@
+"""The record protocol: every record kind a hook sends, with its limits, and the NaN codec.
+
+Standard library only, so both sides import it: the hook builds records through it
+(``build``), the ingest API's models are generated from it (``monitor.ingest.schemas``), the
+store's columns are checked against it (``tests/test_store_protocol.py``).
+"""
+
+from policies.protocol.build import ProtocolError, build, check_fields, require, value_problem
+from policies.protocol.fields import (
+    EMPTY_LIST,
+    Choice,
+    Document,
+    Either,
+    Field,
+    Flag,
+    Integer,
+    ListOf,
+    MapOf,
+    Nested,
+    Real,
+    Structure,
+    Text,
+    ValueType,
+)
+from policies.protocol.kinds import (
+    BY_KIND,
+    CANARY_RESULT,
+    CHECKPOINT,
+    DEVICE_SAMPLE,
+    DIRECTIVE_ACK,
+    HEARTBEAT,
+    KERNEL,
+    LINK_SAMPLE,
+    MANIFEST,
+    MANIFEST_FILE,
+    RECORD_KINDS,
+    RESUME,
+    RUN_FINISH,
+    RUN_START,
+    SAMPLE_ID_LIMIT,
+    STACK_DUMP,
+    STEP,
+)
+from policies.protocol.nonfinite import NONFINITE_BY_NAME, float_from_wire, float_to_wire, to_wire
+
+__all__ = [
+    "BY_KIND",
+    "CANARY_RESULT",
+    "CHECKPOINT",
+    "DEVICE_SAMPLE",
+    "DIRECTIVE_ACK",
+    "EMPTY_LIST",
+    "HEARTBEAT",
+    "KERNEL",
+    "LINK_SAMPLE",
+    "MANIFEST",
+    "MANIFEST_FILE",
+    "NONFINITE_BY_NAME",
+    "RECORD_KINDS",
+    "RESUME",
+    "RUN_FINISH",
+    "RUN_START",
+    "SAMPLE_ID_LIMIT",
+    "STACK_DUMP",
+    "STEP",
+    "Choice",
+    "Document",
+    "Either",
+    "Field",
+    "Flag",
+    "Integer",
+    "ListOf",
+    "MapOf",
+    "Nested",
+    "ProtocolError",
+    "Real",
+    "Structure",
+    "Text",
+    "ValueType",
+    "build",
+    "check_fields",
+    "float_from_wire",
+    "float_to_wire",
+    "require",
+    "to_wire",
+    "value_problem",
+]
