@@ -45,6 +45,7 @@ test: $(STAMP) system-deps
 
 lint:
 	$(BIN)/ruff check monitor collectors policies migrations tests benchmarks
+	$(BIN)/lint-imports
 
 typecheck:
 	$(BIN)/mypy

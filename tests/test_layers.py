@@ -62,6 +62,7 @@ def tree_copy(tmp_path: Path) -> Path:
         ("collectors/spool.py", "monitor.store.floats", "collectors imports no service code"),
         ("monitor/judge/engine.py", "collectors.leftovers", "monitor imports no trainer code"),
         ("monitor/store/queries.py", "monitor.recovery.decisions", "monitor in layers"),
+        ("monitor/cli/incidents.py", "monitor.cli.runs", "CLI command groups are independent"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(
