@@ -1,11 +1,10 @@
 """The service's configuration: one frozen dataclass per component, composed here.
 
 Read once, from an injected environment mapping and an optional TOML file, by
-``monitor.settings``; every field of every nested config is a setting."""
+``monitor.settings.service_config``; every field of every nested config is a setting."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from monitor.judge.canaries import CanaryServiceConfig
@@ -45,13 +44,3 @@ class ServiceConfig:
     decisions: DecisionConfig = field(default_factory=DecisionConfig)
     canaries: CanaryServiceConfig = field(default_factory=CanaryServiceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-
-    @classmethod
-    def from_environ(
-        cls, environ: Mapping[str, str], db: str | None = None, file: str | None = None
-    ) -> ServiceConfig:
-        """Defaults, then the settings file (``file``, else ``$RUNHEALTH_CONFIG``), then the
-        ``RUNHEALTH_*`` variables; ``db`` (``--db``) over all. See ``monitor.settings``."""
-        from monitor.settings import service_config  # here: the settings are built over this class
-
-        return service_config(environ, file=file, db=db)

@@ -19,6 +19,7 @@ from monitor.config import IngestConfig, ServiceConfig
 from monitor.ingest.batches import KEYED_TABLES
 from monitor.ingest.schemas import RECORD_KINDS
 from monitor.service import Service
+from monitor.settings import service_config
 from monitor.store import models
 from tests.support import (
     ADMIN_TOKEN,
@@ -523,11 +524,9 @@ def test_reads_need_the_runs_own_token(client: TestClient, store: Engine, run: R
 def test_service_config_reads_hang_timing_from_the_environment() -> None:
     from monitor.config import ConfigError
 
-    config = ServiceConfig.from_environ(
-        {"RUNHEALTH_HANG_MIN_TIMEOUT_S": "12.5", "RUNHEALTH_HEARTBEAT_S": "0.5"}
-    )
+    config = service_config({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "12.5", "RUNHEALTH_HEARTBEAT_S": "0.5"})
     assert config.engine.hangs.min_timeout_s == 12.5
     assert config.engine.hangs.heartbeat_interval_s == 0.5
-    assert ServiceConfig.from_environ({}).engine == ServiceConfig().engine
+    assert service_config({}).engine == ServiceConfig().engine
     with pytest.raises(ConfigError, match="RUNHEALTH_HANG_MIN_TIMEOUT_S must be a number"):
-        ServiceConfig.from_environ({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "soon"})
+        service_config({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "soon"})

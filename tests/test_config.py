@@ -3,7 +3,10 @@ that order; one boolean spelling; one clear error naming what set a bad value.""
 
 import dataclasses
 import json
+import os
 import random
+import subprocess
+import sys
 import typing
 import uuid
 from collections.abc import Iterator
@@ -50,7 +53,7 @@ def test_every_field_of_every_config_is_a_setting() -> None:
 
 
 def test_a_threshold_from_the_environment() -> None:
-    config = ServiceConfig.from_environ({"RUNHEALTH_POLICIES__SPIKE__Z": "9.5"})
+    config = service_config({"RUNHEALTH_POLICIES__SPIKE__Z": "9.5"})
     assert config.engine.series.loss_spike.z == 9.5
     assert config.engine.series.grad_norm_spike == ServiceConfig().engine.series.grad_norm_spike
     assert (
@@ -290,7 +293,7 @@ def spike_incidents(tmp_path: Path, environ: dict[str, str], bad_loss: float) ->
     loss of 2.0 with noise (sd 0.02) and one bad batch at step 60."""
     noise = random.Random(7)
     environ = {**environ, "RUNHEALTH_DB": str(tmp_path / f"{uuid.uuid4().hex}.db")}
-    service = prepare_store(ServiceConfig.from_environ(environ), environ)
+    service = prepare_store(service_config(environ), environ)
     with service.engine.begin() as connection:
         queries.create_run(connection, "r")
         run_id = int(queries.run_row(connection, "r").id)
@@ -325,3 +328,60 @@ def test_a_spike_threshold_from_the_environment_changes_the_judgement(tmp_path: 
     # +9%, about 12 noise units: below the default, above 4 and the 5% floor.
     assert spike_incidents(tmp_path, {}, bad_loss=2.18) == []
     assert spike_incidents(tmp_path, {"RUNHEALTH_POLICIES__SPIKE__Z": "4"}, bad_loss=2.18) == [("spike", 60)]
+
+
+# runhealth config show
+
+
+def run_show(tmp_path: Path, *args: str, **environ: str) -> subprocess.CompletedProcess[str]:
+    """``runhealth config show`` in its own process, with exactly this environment."""
+    command = [sys.executable, "-m", "monitor", "config", "show", *args]
+    env = {"PATH": os.environ.get("PATH", ""), **environ}
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_show_says_where_each_value_came_from(tmp_path: Path) -> None:
+    file = write(tmp_path / "runhealth.toml", "[policies.spike]\nz = 11\nwindow = 60\n")
+    shown = run_show(
+        tmp_path,
+        "--json",
+        "--config",
+        file,
+        RUNHEALTH_POLICIES__SPIKE__Z="12",
+        RUNHEALTH_QUARANTINE_LIVE="on",
+        RUNHEALTH_ADMIN_TOKEN="rh_admin_secret",
+        RUNHEALTH_DB="postgresql+psycopg2://ops:hunter2@db/runhealth",
+    )
+    assert shown.returncode == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    rows = {row["name"]: row for row in document["settings"]}
+    assert document["file"] == file
+    assert rows["policies.spike.z"] == {
+        "name": "policies.spike.z",
+        "value": 12.0,
+        "source": "environment",
+        "origin": "RUNHEALTH_POLICIES__SPIKE__Z",
+        "variable": "RUNHEALTH_POLICIES__SPIKE__Z",
+    }
+    assert (rows["policies.spike.window"]["source"], rows["policies.spike.window"]["origin"]) == (
+        "file",
+        file,
+    )
+    assert (rows["policies.spike.warmup"]["source"], rows["policies.spike.warmup"]["value"]) == (
+        "default",
+        50,
+    )
+    assert rows["quarantine.live"]["origin"] == "RUNHEALTH_QUARANTINE_LIVE"
+    assert rows["policies.stragglers.phases"]["value"] == ["data_wait", "forward", "backward", "optimizer"]
+    assert "rh_admin_secret" not in shown.stdout and "hunter2" not in shown.stdout
+    assert len(rows) == len(leaves())
+
+
+def test_show_prints_a_table_and_a_bad_value_exits_2(tmp_path: Path) -> None:
+    shown = run_show(tmp_path, RUNHEALTH_POLICIES__RANK_LOSS__Z="7")
+    assert shown.returncode == 0, shown.stderr
+    line = next(line for line in shown.stdout.splitlines() if "policies.rank_loss.z " in line)
+    assert "7.0" in line and "RUNHEALTH_POLICIES__RANK_LOSS__Z" in line
+    bad = run_show(tmp_path, RUNHEALTH_POLICIES__SPIKE__Z="high")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "runhealth: error: RUNHEALTH_POLICIES__SPIKE__Z must be a number, got 'high'"

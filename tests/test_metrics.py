@@ -21,6 +21,7 @@ from monitor.config import ConfigError, ServiceConfig
 from monitor.observe.metrics import CanaryVerdict, MetricsConfig, RunHealthCollector, names
 from monitor.observe.metrics.state import top_stragglers
 from monitor.service import Service
+from monitor.settings import service_config
 from monitor.store import models
 from policies.stragglers import StragglerConfig, StragglerState, straggler_scores
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, make_run, post
@@ -530,7 +531,7 @@ def test_names_follow_the_prometheus_conventions() -> None:
 
 
 def test_config_from_the_environment() -> None:
-    config = ServiceConfig.from_environ(
+    config = service_config(
         {
             "RUNHEALTH_METRICS_TOP_STRAGGLERS": "3",
             "RUNHEALTH_METRICS_DEVICE_SERIES": "node",
@@ -538,12 +539,12 @@ def test_config_from_the_environment() -> None:
         }
     ).metrics
     assert config == MetricsConfig(top_stragglers=3, device_series="node", per_device_limit=64)
-    assert ServiceConfig.from_environ({}).metrics == MetricsConfig()
-    assert ServiceConfig.from_environ({"RUNHEALTH_METRICS_LINK_SERIES": "off"}).metrics.link_series == "off"
+    assert service_config({}).metrics == MetricsConfig()
+    assert service_config({"RUNHEALTH_METRICS_LINK_SERIES": "off"}).metrics.link_series == "off"
     with pytest.raises(ConfigError):
-        ServiceConfig.from_environ({"RUNHEALTH_METRICS_TOP_STRAGGLERS": "many"})
+        service_config({"RUNHEALTH_METRICS_TOP_STRAGGLERS": "many"})
     with pytest.raises(ConfigError):
-        ServiceConfig.from_environ({"RUNHEALTH_METRICS_LINK_SERIES": "device"})
+        service_config({"RUNHEALTH_METRICS_LINK_SERIES": "device"})
     with pytest.raises(ValueError):
         MetricsConfig(recent_windows=1)
     assert MetricsConfig().device_grain(1024) == "device" and MetricsConfig().device_grain(1025) == "node"

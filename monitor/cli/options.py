@@ -29,6 +29,10 @@ UrlOption = Annotated[
 TokenOption = Annotated[
     str | None, typer.Option("--token", help="Operator token (default: $RUNHEALTH_OPERATOR_TOKEN).")
 ]
+ConfigOption = Annotated[
+    str | None,
+    typer.Option("--config", help="Settings file, TOML (default: $RUNHEALTH_CONFIG; the environment wins)."),
+]
 
 
 def open_engine(db: str | None, *, must_be_current: bool = True) -> Engine:

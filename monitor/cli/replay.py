@@ -9,7 +9,7 @@ import typer
 
 from monitor.cli.options import DbOption, JsonOption, cli_actor, open_engine
 from monitor.cli.render import print_json
-from monitor.config import ServiceConfig
+from monitor.settings import service_config
 
 
 def replay(
@@ -26,7 +26,7 @@ def replay(
     from monitor.recovery.replay_verdicts import replay_incident
 
     # the workflow's settings (retries, quarantine) are the service's, read from this environment
-    decision_config = ServiceConfig.from_environ(os.environ).decisions
+    decision_config = service_config(os.environ).decisions
     engine = open_engine(db)
     result = replay_incident(engine, incident_id, command, timeout, cli_actor(), decision_config)
     if as_json:

@@ -18,6 +18,7 @@ from monitor.cli import (
     audit,
     backtest,
     checkpoints,
+    config,
     db,
     demo,
     export,
@@ -53,6 +54,7 @@ COMMAND_GROUPS: tuple[CommandGroup, ...] = (
     replay,
     audit,
     spool,
+    config,
 )
 
 

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from monitor.cli.options import DbOption
-from monitor.config import ServiceConfig
+from monitor.cli.options import ConfigOption, DbOption
+from monitor.settings import service_config
 from monitor.store.db import resolve_url
 
 
@@ -23,12 +23,13 @@ def serve(
         typer.Option(help="Where the admin token is kept when RUNHEALTH_ADMIN_TOKEN is unset."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+    config_file: ConfigOption = None,
 ) -> None:
     """Serve the ingest API and /healthz."""
     from monitor.api.server import admin_token_for, bind, prepare_store, uvicorn_server
     from monitor.scheduler import ScheduleConfig, start_scheduler
 
-    config = ServiceConfig.from_environ(os.environ, db=db)
+    config = service_config(os.environ, file=config_file, db=db)
     token_file = admin_token_file or Path(
         f"{resolve_url(db, os.environ).database or 'runhealth'}.admin-token"
     )
