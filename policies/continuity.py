@@ -14,7 +14,7 @@ its warm-up and the data cursor went back to zero. Two sources of evidence:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,41 +214,6 @@ class ResumeFacts:
     scheduler_last_epoch: int | None = None
     consumed: int | None = None
     first_sample_ids: tuple[Any, ...] | None = None
-
-    @classmethod
-    def from_record(
-        cls, incarnation: str, rank: int, checkpoint_step: int | None, restored: Mapping[str, Any]
-    ) -> ResumeFacts:
-        """From a resume record's ``restored``: the hook's nested form (``optimizer``,
-        ``scheduler``, ...: collectors.restore) or flat keys of the same names."""
-        optimizer = _section(restored, "optimizer")
-        scheduler = _section(restored, "scheduler")
-        ids = restored.get("first_sample_ids")
-        return cls(
-            incarnation=incarnation,
-            rank=rank,
-            checkpoint_step=checkpoint_step,
-            optimizer_step=_first(optimizer.get("optimizer_step_max"), restored.get("optimizer_step")),
-            exp_avg_norm=_first(optimizer.get("exp_avg_norm"), restored.get("exp_avg_norm")),
-            exp_avg_sq_norm=_first(optimizer.get("exp_avg_sq_norm"), restored.get("exp_avg_sq_norm")),
-            lr=_first(_head(optimizer.get("lr")), _head(scheduler.get("last_lr")), restored.get("lr")),
-            scheduler_last_epoch=_first(scheduler.get("last_epoch"), restored.get("scheduler_last_epoch")),
-            consumed=restored.get("consumed"),
-            first_sample_ids=tuple(ids) if ids is not None else None,
-        )
-
-
-def _section(restored: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    value = restored.get(name)
-    return value if isinstance(value, Mapping) else {}
-
-
-def _head(value: Any) -> Any:
-    return value[0] if isinstance(value, list | tuple) and value else value
-
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
 
 
 @dataclass(frozen=True)

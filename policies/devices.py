@@ -3,7 +3,8 @@ port state, saturated counters, and clock-event time for the straggler evidence.
 
 How the engine calls these (constant work per record; history is never rescanned):
 
-- Per device sample: ``reading = DeviceReading.from_record(record)``, then
+- Per device sample: ``reading`` (the service makes it from the record:
+  ``monitor.judge.readings``), then
   ``device_findings(previous, reading, config)`` with the previous reading of the same device
   (``None`` for its first), then keep ``reading`` as that device's previous. A reading whose
   ``seq`` is not after the previous one (late, replayed from a spool) is judged on its own
@@ -181,61 +182,12 @@ class DevicesConfig:
 # --- readings ------------------------------------------------------------------------------------
 
 
-def _count(value: Any) -> int | None:
-    """A cumulative counter's value, or None for anything that is not one (bools included)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if not math.isfinite(value) or value < 0:
-        return None
-    return int(value)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, int]:
-    """Nested counters as dotted names -> values: ``{"nvlink": {"0": {"replay": 3}}}`` gives
-    ``{"nvlink.0.replay": 3}``. What is not a non-negative number is left out."""
-    flat: dict[str, int] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{name}."))
-        elif (number := _count(value)) is not None:
-            flat[name] = number
-    return flat
-
-
-def _real(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _time(value: Any) -> float:
-    real = _real(value)
-    return math.nan if real is None else real  # nan: no interval can be measured from it
-
-
-def _flag(value: Any) -> bool | None:
-    return value if isinstance(value, bool) else None
-
-
-# Keys of a device sample's counters that are reader bookkeeping, not device counters.
-_NOT_COUNTERS = ("read_errors", "xids_dropped")
-
-
 @dataclass(frozen=True)
 class XidEvent:
     code: int
     time: float | None = None
     gpu_instance_id: int | None = None  # MIG: the instance the XID came from
     compute_instance_id: int | None = None
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> XidEvent | None:
-        code = _count(record.get("code"))
-        if code is None:
-            return None
-        gpu_instance, compute_instance = record.get("gpu_instance_id"), record.get("compute_instance_id")
-        return cls(code, _real(record.get("time")), _count(gpu_instance), _count(compute_instance))
 
 
 @dataclass(frozen=True)
@@ -262,39 +214,6 @@ class DeviceReading:
     power_limit_w: float | None = None
     temperature_c: float | None = None
 
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> DeviceReading:
-        """From a ``device_sample`` dict (the wire/store field names); missing keys are tolerated."""
-        raw = record.get("counters")
-        tree: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        remap = tree.get("remapped_rows")
-        remap = remap if isinstance(remap, Mapping) else {}
-        errors = tree.get("read_errors")
-        events = record.get("xids")
-        xids = (
-            (XidEvent.from_record(x) for x in events if isinstance(x, Mapping))
-            if isinstance(events, list)
-            else ()
-        )
-        return cls(
-            node=str(record.get("node", "")),
-            device=str(record.get("device_uuid", "")),
-            seq=_count(record.get("seq")) or 0,
-            time=_time(record.get("time")),
-            rank=_count(record.get("rank")),
-            counters=_flatten({k: v for k, v in tree.items() if k not in _NOT_COUNTERS}),
-            remap_pending=_flag(remap.get("pending")),
-            remap_failure=_flag(remap.get("failure")),
-            xids=tuple(x for x in xids if x is not None),
-            xids_dropped=_count(tree.get("xids_dropped")) or 0,
-            read_errors={str(k): str(v) for k, v in errors.items()} if isinstance(errors, Mapping) else {},
-            clock_event_reasons=_count(record.get("clock_event_reasons")),
-            sm_clock_mhz=_real(record.get("sm_clock_mhz")),
-            power_w=_real(record.get("power_w")),
-            power_limit_w=_real(record.get("power_limit_w")),
-            temperature_c=_real(record.get("temperature_c")),
-        )
-
 
 @dataclass(frozen=True)
 class LinkReading:
@@ -313,23 +232,6 @@ class LinkReading:
     @property
     def name(self) -> str:
         return f"{self.device}/{self.port}"
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> LinkReading:
-        """From a ``link_sample`` dict (the wire/store field names); missing keys are tolerated."""
-        raw = record.get("counters")
-        saturated = record.get("saturated")
-        state = record.get("state")
-        return cls(
-            node=str(record.get("node", "")),
-            device=str(record.get("device", "")),
-            port=_count(record.get("port")) or 0,
-            seq=_count(record.get("seq")) or 0,
-            time=_time(record.get("time")),
-            state=state.strip().upper() if isinstance(state, str) and state.strip() else None,
-            counters=_flatten(raw) if isinstance(raw, Mapping) else {},
-            saturated=frozenset(str(s) for s in saturated) if isinstance(saturated, list) else frozenset(),
-        )
 
 
 def carry_forward(previous: DeviceReading | None, current: DeviceReading) -> DeviceReading:

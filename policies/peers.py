@@ -40,31 +40,6 @@ class RankWindow:
     devices: tuple[str | None, ...]
     sample_ids: tuple[Sequence[Any] | None, ...]
 
-    @classmethod
-    def from_records(cls, records: Sequence[dict[str, Any]]) -> RankWindow:
-        """Build from step-record dicts (the wire/store field names) of one window."""
-        ordered = sorted(records, key=lambda r: r["rank"])
-        coordinates = [(r.get("tp_rank") or 0, r.get("pp_rank") or 0, r.get("cp_rank") or 0) for r in ordered]
-        group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
-        first = ordered[0]
-
-        def column(name: str) -> Floats:
-            return np.array([np.nan if r.get(name) is None else r[name] for r in ordered], dtype=np.float64)
-
-        return cls(
-            step=max(r["step"] for r in ordered),
-            attempt=first.get("attempt"),
-            incarnation=first.get("incarnation", ""),
-            ranks=np.array([r["rank"] for r in ordered], dtype=np.int64),
-            groups=np.array([group_ids[c] for c in coordinates], dtype=np.int64),
-            loss_sum=column("loss_sum"),
-            tokens=column("tokens"),
-            phases={phase: column(f"{phase}_s") for phase in PHASES},
-            nodes=tuple(r.get("node") for r in ordered),
-            devices=tuple(r.get("device_uuid") for r in ordered),
-            sample_ids=tuple(r.get("sample_ids") for r in ordered),
-        )
-
     def peer_groups(self, min_size: int = 3) -> Iterator[npt.NDArray[np.intp]]:
         """Index arrays of each data-parallel group large enough to compare within."""
         for group in np.unique(self.groups):

@@ -1,5 +1,6 @@
 import pytest
 
+from monitor.judge.readings import resume_facts
 from policies.continuity import (
     ContinuityConfig,
     ContinuityState,
@@ -64,7 +65,7 @@ def facts(**restored: object) -> ResumeFacts:
         "consumed": 117_760,
         "first_sample_ids": [500, 501],
     }
-    return ResumeFacts.from_record("inc-2", 0, 1840, {**base, **restored})
+    return resume_facts("inc-2", 0, 1840, {**base, **restored})
 
 
 EXPECTED = Expected(step=1840, consumed=117_760, next_lr=1e-3, next_sample_ids=(500, 501, 502))
@@ -109,7 +110,7 @@ def test_the_hooks_nested_resume_record_is_read() -> None:
         "consumed": 117_760,
         "first_sample_ids": [500, 501],
     }
-    facts = ResumeFacts.from_record("inc-2", 0, 1840, restored)
+    facts = resume_facts("inc-2", 0, 1840, restored)
     assert (facts.optimizer_step, facts.lr, facts.scheduler_last_epoch, facts.exp_avg_sq_norm) == (
         1840.0,
         1e-3,
@@ -119,5 +120,5 @@ def test_the_hooks_nested_resume_record_is_read() -> None:
     assert resume_findings(facts, EXPECTED, CONFIG) == ()
     lost = {**restored, "optimizer": {**restored["optimizer"], "exp_avg_sq_norm": 0.0}}
     assert [
-        f.kind for f in resume_findings(ResumeFacts.from_record("i", 0, 1840, lost), EXPECTED, CONFIG)
+        f.kind for f in resume_findings(resume_facts("i", 0, 1840, lost), EXPECTED, CONFIG)
     ] == ["optimizer_state_lost"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from monitor.ingest.schemas import DeviceSampleIn, LinkSampleIn
+from monitor.judge.readings import device_reading, link_reading
 from policies.devices import (
     ClockConfig,
     CounterRates,
@@ -103,7 +104,7 @@ def device_record(
 
 
 def device(t: float, changes: Mapping[str, Any] | None = None, **kwargs: Any) -> DeviceReading:
-    return DeviceReading.from_record(device_record(t, changes, **kwargs))
+    return device_reading(device_record(t, changes, **kwargs))
 
 
 def link_record(
@@ -147,7 +148,7 @@ def link_record(
 
 
 def link(t: float, changes: Mapping[str, Any] | None = None, **kwargs: Any) -> LinkReading:
-    return LinkReading.from_record(link_record(t, changes, **kwargs))
+    return link_reading(link_record(t, changes, **kwargs))
 
 
 def kinds(found: Sequence[Finding]) -> list[tuple[str, Severity]]:
@@ -161,7 +162,7 @@ def test_a_device_reading_flattens_counters_and_keeps_flags_xids_and_errors_apar
     record = device_record(T0, {"nvlink.2.replay": 7, "read_errors": {"pcie_replay": "NVMLError_Unknown"}})
     record["counters"]["xids_dropped"] = 2
     record["xids"] = [{"code": 79, "time": T0 - 1}, {"code": 94, "time": T0, "gpu_instance_id": 1}]
-    reading = DeviceReading.from_record(record)
+    reading = device_reading(record)
     assert (reading.node, reading.device, reading.rank, reading.seq) == ("node-1", UUID, 0, int(T0 * 1e6))
     assert reading.counters["nvlink.2.replay"] == 7
     assert reading.counters["clock_event_ns.hw_thermal_slowdown"] == 0
@@ -177,11 +178,11 @@ def test_a_device_reading_flattens_counters_and_keeps_flags_xids_and_errors_apar
 def test_a_device_without_any_optional_field_reads_as_unknowns() -> None:
     record = {"kind": "device_sample", "node": "n", "device_uuid": "GPU-x", "seq": 5, "time": T0}
     DeviceSampleIn.model_validate(record)
-    reading = DeviceReading.from_record(record)
+    reading = device_reading(record)
     assert (reading.counters, reading.xids, reading.rank, reading.remap_pending) == ({}, (), None, None)
     assert device_findings(None, reading, CONFIG) == ()
     assert (
-        device_findings(reading, DeviceReading.from_record({**record, "seq": 6, "time": T0 + 1}), CONFIG)
+        device_findings(reading, device_reading({**record, "seq": 6, "time": T0 + 1}), CONFIG)
         == ()
     )
 
@@ -189,11 +190,11 @@ def test_a_device_without_any_optional_field_reads_as_unknowns() -> None:
 def test_malformed_values_are_left_out_rather_than_trusted() -> None:
     record = device_record(T0, {"pcie_replay": -3, "ecc.volatile.corrected": "7", "nvlink.0.crc_flit": 1.0})
     record["xids"] = [{"time": T0}, {"code": "13"}, {"code": 48}]
-    reading = DeviceReading.from_record(record)
+    reading = device_reading(record)
     assert "pcie_replay" not in reading.counters and "ecc.volatile.corrected" not in reading.counters
     assert reading.counters["nvlink.0.crc_flit"] == 1
     assert [x.code for x in reading.xids] == [48]
-    assert DeviceReading.from_record({}).device == ""
+    assert device_reading({}).device == ""
 
 
 def test_a_link_reading_keeps_hw_counters_by_prefix_and_the_saturated_names() -> None:
@@ -201,7 +202,7 @@ def test_a_link_reading_keeps_hw_counters_by_prefix_and_the_saturated_names() ->
     assert reading.name == "mlx5_0/1"
     assert reading.counters["hw.rx_icrc_encapsulated"] == 0
     assert reading.saturated == {"symbol_error", "hw.out_of_sequence"}
-    assert LinkReading.from_record({"node": "n"}).state is None
+    assert link_reading({"node": "n"}).state is None
 
 
 # --- deltas and rates ----------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_carry_forward_keeps_a_counter_across_a_failed_read() -> None:
     first = device(T0, {"ecc.aggregate.uncorrected": 2})
     gap_record = device_record(T0 + 10)
     del gap_record["counters"]["ecc"]["aggregate"]  # that read failed this time
-    gap = DeviceReading.from_record(gap_record)
+    gap = device_reading(gap_record)
     kept = carry_forward(first, gap)
     assert kept.counters["ecc.aggregate.uncorrected"] == 2 and kept.seq == gap.seq
     later = device(T0 + 20, {"ecc.aggregate.uncorrected": 3})
@@ -386,7 +387,7 @@ def test_xids_are_grouped_per_code_critical_first_with_their_mig_instance() -> N
 def test_dropped_xids_are_a_warning() -> None:
     record = device_record(T0)
     record["counters"]["xids_dropped"] = 3
-    (finding,) = xid_findings(DeviceReading.from_record(record), CONFIG)
+    (finding,) = xid_findings(device_reading(record), CONFIG)
     assert (finding.signal, finding.severity, finding.value) == ("xids_dropped", Severity.WARNING, 3.0)
 
 
@@ -632,7 +633,7 @@ def test_clock_event_fractions_are_delta_ns_over_wall_ns() -> None:
     reloaded = device(T0 + 10, {"clock_event_ns.hw_thermal_slowdown": 0})
     assert "hw_thermal_slowdown" not in clock_event_fractions(before, reloaded)
     assert clock_event_fractions(after, before) == {}
-    assert clock_event_fractions(DeviceReading.from_record({}), after) == {}
+    assert clock_event_fractions(device_reading({}), after) == {}
 
 
 def test_elevated_clock_reasons_against_peers_under_matched_work() -> None:

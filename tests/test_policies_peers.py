@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from policies.peers import RankWindow
+from monitor.judge.readings import rank_window
 from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
 from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers, straggler_scores
 
@@ -44,17 +44,17 @@ def records(
 
 
 def test_groups_are_replicas_of_one_shard() -> None:
-    window = RankWindow.from_records(records(1, ranks=8, tp=2))
+    window = rank_window(records(1, ranks=8, tp=2))
     groups = [sorted(window.ranks[m].tolist()) for m in window.peer_groups()]
     assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert list(RankWindow.from_records(records(1, ranks=2)).peer_groups()) == []
+    assert list(rank_window(records(1, ranks=2)).peer_groups()) == []
 
 
 def run_rank_loss(windows: list[list[dict]], config: RankLossConfig | None = None) -> list[list]:
     config = config or RankLossConfig()
     state, out = RankLossState.empty(config), []
     for w in windows:
-        state, found = observe_rank_loss(state, RankWindow.from_records(w), config)
+        state, found = observe_rank_loss(state, rank_window(w), config)
         out.append(found)
     return out
 
@@ -94,7 +94,7 @@ def run_stragglers(windows: list[list[dict]], config: StragglerConfig | None = N
     config = config or StragglerConfig()
     state, out = StragglerState(), []
     for w in windows:
-        state, found = observe_stragglers(state, RankWindow.from_records(w), config)
+        state, found = observe_stragglers(state, rank_window(w), config)
         out.append(found)
     return state, out
 

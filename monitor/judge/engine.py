@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import IncidentRecorder
+from monitor.judge.readings import rank_window
 from monitor.judge.resumes import judge_resumes
 from monitor.store import hook_settings, models, queries
 from policies.hangs import HangConfig
@@ -192,7 +193,7 @@ class PolicyEngine:
             for row in rows:
                 windows.setdefault((row["incarnation"], row["attempt"]), set()).add(row["rank"])
             for (incarnation, attempt), ranks in windows.items():
-                window = RankWindow.from_records(self._window_rows(connection, run_id, incarnation, attempt))
+                window = rank_window(self._window_rows(connection, run_id, incarnation, attempt))
                 findings += [f for f in _rank_nonfinite(window) if f.rank in ranks or f.rank is None]
                 _, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
                 findings += [f for f in outliers if f.rank in ranks]
@@ -255,7 +256,7 @@ class PolicyEngine:
         if rows is None or len(rows) != summary["ranks_reported"]:
             rows = self._window_rows(connection, run_id, *key)
         if rows:
-            window = RankWindow.from_records(rows)
+            window = rank_window(rows)
             findings += _rank_nonfinite(window)
             state.rank_loss, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
             state.stragglers, slow = observe_stragglers(state.stragglers, window, self._config.stragglers)

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import IncidentRecorder
+from monitor.judge.readings import device_reading, link_reading
 from monitor.store import models
 from policies.devices import (
     DeviceReading,
@@ -71,9 +72,9 @@ class FleetWatch:
         with self._lock, self._engine.begin() as connection:
             findings: list[Finding] = []
             for row in sorted(device_rows, key=lambda r: r["seq"]):
-                findings += self._device(connection, run_id, DeviceReading.from_record(row), step)
+                findings += self._device(connection, run_id, device_reading(row), step)
             for row in sorted(link_rows, key=lambda r: r["seq"]):
-                findings += self._link(connection, run_id, LinkReading.from_record(row), step)
+                findings += self._link(connection, run_id, link_reading(row), step)
             return self._recorder.record(connection, run_id, findings, step)
 
     def _device(
@@ -110,7 +111,7 @@ class FleetWatch:
             .first()
         )
         # Its XIDs were judged when it arrived: keep its counters and flags, not its events.
-        return None if row is None else replace(DeviceReading.from_record(dict(row)), xids=())
+        return None if row is None else replace(device_reading(dict(row)), xids=())
 
     def _link(self, connection: Connection, run_id: int, reading: LinkReading, step: int) -> list[Finding]:
         key = (run_id, reading.node, reading.device, reading.port)
@@ -132,7 +133,7 @@ class FleetWatch:
                 .mappings()
                 .first()
             )
-            previous = None if row is None else LinkReading.from_record(dict(row))
+            previous = None if row is None else link_reading(dict(row))
         found = link_findings(previous, reading, self._config, step=step)
         if previous is None or reading.seq > previous.seq:
             if previous is not None:

@@ -8,8 +8,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from monitor.judge.readings import resume_facts
 from monitor.store import models
-from policies.continuity import ContinuityConfig, Expected, ResumeFacts, resume_findings
+from policies.continuity import ContinuityConfig, Expected, resume_findings
 from policies.types import Finding, Severity
 
 CHECKPOINT = models.table_of(models.CheckpointEvent)
@@ -28,7 +29,7 @@ def judge_resumes(
         expected = _expected(connection, run_id, row)
         if expected is None:
             continue
-        facts = ResumeFacts.from_record(row["incarnation"], row["rank"], expected.step, row["restored"])
+        facts = resume_facts(row["incarnation"], row["rank"], expected.step, row["restored"])
         findings += resume_findings(facts, expected, config)
     return _aggregate(findings)
 

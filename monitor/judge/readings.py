@@ -1,0 +1,176 @@
+"""Stored records as the typed readings the policies take.
+
+The policies never see a wire dict: this module is where a record's field names (the
+protocol's, ``policies.protocol``; the store keeps them as its column names) and the shapes of
+its free-form parts (NVML's counter tree, a restored optimizer's state) are known. Each function
+takes a record or a row mapping and tolerates missing keys: a reading is what was sent, no more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from policies.continuity import ResumeFacts
+from policies.devices import DeviceReading, LinkReading, XidEvent
+from policies.peers import PHASES, Floats, RankWindow
+
+Record = Mapping[str, Any]
+
+# Keys of a device sample's counters that are reader bookkeeping, not device counters.
+NOT_COUNTERS = ("read_errors", "xids_dropped")
+
+
+def device_reading(record: Record) -> DeviceReading:
+    """A ``device_sample`` record (or its stored row) as the device rules read it."""
+    raw = record.get("counters")
+    tree: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    remap = tree.get("remapped_rows")
+    remap = remap if isinstance(remap, Mapping) else {}
+    errors = tree.get("read_errors")
+    events = record.get("xids")
+    xids = (xid_event(x) for x in events if isinstance(x, Mapping)) if isinstance(events, list) else ()
+    return DeviceReading(
+        node=str(record.get("node", "")),
+        device=str(record.get("device_uuid", "")),
+        seq=_count(record.get("seq")) or 0,
+        time=_time(record.get("time")),
+        rank=_count(record.get("rank")),
+        counters=_flatten({k: v for k, v in tree.items() if k not in NOT_COUNTERS}),
+        remap_pending=_flag(remap.get("pending")),
+        remap_failure=_flag(remap.get("failure")),
+        xids=tuple(x for x in xids if x is not None),
+        xids_dropped=_count(tree.get("xids_dropped")) or 0,
+        read_errors={str(k): str(v) for k, v in errors.items()} if isinstance(errors, Mapping) else {},
+        clock_event_reasons=_count(record.get("clock_event_reasons")),
+        sm_clock_mhz=_real(record.get("sm_clock_mhz")),
+        power_w=_real(record.get("power_w")),
+        power_limit_w=_real(record.get("power_limit_w")),
+        temperature_c=_real(record.get("temperature_c")),
+    )
+
+
+def xid_event(record: Record) -> XidEvent | None:
+    """One entry of a device sample's ``xids``; None without a usable code."""
+    code = _count(record.get("code"))
+    if code is None:
+        return None
+    gpu_instance, compute_instance = record.get("gpu_instance_id"), record.get("compute_instance_id")
+    return XidEvent(code, _real(record.get("time")), _count(gpu_instance), _count(compute_instance))
+
+
+def link_reading(record: Record) -> LinkReading:
+    """A ``link_sample`` record (or its stored row) as the link rules read it."""
+    raw = record.get("counters")
+    saturated = record.get("saturated")
+    state = record.get("state")
+    return LinkReading(
+        node=str(record.get("node", "")),
+        device=str(record.get("device", "")),
+        port=_count(record.get("port")) or 0,
+        seq=_count(record.get("seq")) or 0,
+        time=_time(record.get("time")),
+        state=state.strip().upper() if isinstance(state, str) and state.strip() else None,
+        counters=_flatten(raw) if isinstance(raw, Mapping) else {},
+        saturated=frozenset(str(s) for s in saturated) if isinstance(saturated, list) else frozenset(),
+    )
+
+
+def rank_window(records: Sequence[Record]) -> RankWindow:
+    """The step records (or rows) of one window, every rank's values side by side."""
+    ordered = sorted(records, key=lambda r: r["rank"])
+    coordinates = [(r.get("tp_rank") or 0, r.get("pp_rank") or 0, r.get("cp_rank") or 0) for r in ordered]
+    group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
+    first = ordered[0]
+
+    def column(name: str) -> Floats:
+        return np.array([np.nan if r.get(name) is None else r[name] for r in ordered], dtype=np.float64)
+
+    return RankWindow(
+        step=max(r["step"] for r in ordered),
+        attempt=first.get("attempt"),
+        incarnation=first.get("incarnation", ""),
+        ranks=np.array([r["rank"] for r in ordered], dtype=np.int64),
+        groups=np.array([group_ids[c] for c in coordinates], dtype=np.int64),
+        loss_sum=column("loss_sum"),
+        tokens=column("tokens"),
+        phases={phase: column(f"{phase}_s") for phase in PHASES},
+        nodes=tuple(r.get("node") for r in ordered),
+        devices=tuple(r.get("device_uuid") for r in ordered),
+        sample_ids=tuple(r.get("sample_ids") for r in ordered),
+    )
+
+
+def resume_facts(
+    incarnation: str, rank: int, checkpoint_step: int | None, restored: Mapping[str, Any]
+) -> ResumeFacts:
+    """A resume record's ``restored``: the hook's nested form (``optimizer``, ``scheduler``,
+    ...: collectors.restore) or flat keys of the same names."""
+    optimizer = _section(restored, "optimizer")
+    scheduler = _section(restored, "scheduler")
+    ids = restored.get("first_sample_ids")
+    return ResumeFacts(
+        incarnation=incarnation,
+        rank=rank,
+        checkpoint_step=checkpoint_step,
+        optimizer_step=_first(optimizer.get("optimizer_step_max"), restored.get("optimizer_step")),
+        exp_avg_norm=_first(optimizer.get("exp_avg_norm"), restored.get("exp_avg_norm")),
+        exp_avg_sq_norm=_first(optimizer.get("exp_avg_sq_norm"), restored.get("exp_avg_sq_norm")),
+        lr=_first(_head(optimizer.get("lr")), _head(scheduler.get("last_lr")), restored.get("lr")),
+        scheduler_last_epoch=_first(scheduler.get("last_epoch"), restored.get("scheduler_last_epoch")),
+        consumed=restored.get("consumed"),
+        first_sample_ids=tuple(ids) if ids is not None else None,
+    )
+
+
+def _count(value: Any) -> int | None:
+    """A cumulative counter's value, or None for anything that is not one (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0:
+        return None
+    return int(value)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, int]:
+    """Nested counters as dotted names -> values: ``{"nvlink": {"0": {"replay": 3}}}`` gives
+    ``{"nvlink.0.replay": 3}``. What is not a non-negative number is left out."""
+    flat: dict[str, int] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        elif (number := _count(value)) is not None:
+            flat[name] = number
+    return flat
+
+
+def _real(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _time(value: Any) -> float:
+    real = _real(value)
+    return math.nan if real is None else real  # nan: no interval can be measured from it
+
+
+def _flag(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _section(restored: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = restored.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _head(value: Any) -> Any:
+    return value[0] if isinstance(value, list | tuple) and value else value
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
