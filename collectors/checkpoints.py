@@ -2,17 +2,16 @@
 
 A directory that exists is not a checkpoint that is complete; a manifest written after the last
 file landed is the evidence a rollback needs (the boundary step, the consumed-example count, and
-every file's size and sha256), and it is what ``rh.checkpoint_saved`` records in the store.
+every file's size and sha256), and it is what ``rh.checkpoint_saved`` records in the store
+(the record itself: ``records.checkpoint``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-from collectors.wire import Record, to_wire
 
 HASH_CHUNK = 1024 * 1024
 
@@ -50,23 +49,3 @@ def build_manifest(
     if consumed is not None:
         manifest["consumed"] = consumed
     return manifest
-
-
-def checkpoint_record(
-    step: int,
-    path: str,
-    time: float,
-    *,
-    manifest: Mapping[str, Any] | None = None,
-    consumed: int | None = None,
-    tags: Sequence[str] | None = None,
-    metrics: Mapping[str, float] | None = None,
-) -> Record:
-    """A ``checkpoint`` record, without the identity (the hook adds it when it sends)."""
-    if manifest is not None and consumed is None:
-        consumed = manifest.get("consumed")
-    record: Record = {"kind": "checkpoint", "step": step, "path": str(path), "time": time}
-    extras = {"consumed": consumed, "manifest": manifest, "tags": list(tags) if tags else None,
-              "metrics": metrics}  # fmt: skip
-    record.update({key: to_wire(value) for key, value in extras.items() if value is not None})
-    return record

@@ -8,10 +8,7 @@ that the optimizer moments, step counters, learning rate and schedule phase came
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
-
-from collectors.wire import Record
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -89,25 +86,3 @@ def gather_restored(
 
 def _number(value: Any) -> float:
     return float(value.item()) if hasattr(value, "item") else float(value)
-
-
-@dataclass
-class ResumeNote:
-    """A resume event waiting for what it may still lack: the attach (for the identity) and
-    the first window (for the first batch's sample ids)."""
-
-    restored: dict[str, Any]
-    checkpoint_path: str | None
-    checkpoint_step: int | None
-    time: float
-
-    def record(self, first_sample_ids: list[Any] | None) -> Record:
-        """The ``resume`` record, without the identity (the hook adds it when it sends)."""
-        restored = dict(self.restored)
-        restored.setdefault("first_sample_ids", first_sample_ids)
-        record: Record = {"kind": "resume", "restored": restored, "time": self.time}
-        if self.checkpoint_path is not None:
-            record["checkpoint_path"] = self.checkpoint_path
-        if self.checkpoint_step is not None:
-            record["checkpoint_step"] = self.checkpoint_step
-        return record

@@ -192,7 +192,7 @@ def test_a_device_only_skip_verdict_is_resolved_when_the_record_is_rendered(
             rh.window_start()
             rh.loss(torch.tensor(1.0), tokens=1)
             optimizer.found_inf = torch.tensor(found_inf).as_subclass(DeviceFlag)  # type: ignore[attr-defined]
-            rh._after_optimizer_step(optimizer, (), {})  # as the step post-hook calls it
+            rh._windows._after_optimizer_step(optimizer, (), {})  # as the step post-hook calls it
             rh.window_end()
     steps = transport.records("step")
     assert [(s["step"], s["skipped"]) for s in steps] == [(1, False), (1, True), (2, False)]
@@ -444,14 +444,14 @@ def tensors_as_device_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     fast path, which checks inline (it runs every step). The hook must also not take itself for
     a CPU rank (``as_device_rank``)."""
     monkeypatch.setattr("collectors.window.on_device", lambda value: hasattr(value, "is_cpu"))
-    monkeypatch.setattr("collectors.hook.settle_on_host", lambda microbatches: None)
+    monkeypatch.setattr("collectors.accounting.settle_on_host", lambda microbatches: None)
     monkeypatch.setattr("collectors.window.WindowValues.scalars_on_host", lambda self: False)
 
 
 def as_device_rank(rh: RunHealth) -> RunHealth:
     """A CPU rank hands its windows to the sender as they are; an accelerator's goes through
     the ring."""
-    rh._host_rank = False
+    rh._windows._host_rank = False
     return rh
 
 
@@ -470,7 +470,7 @@ def test_device_values_travel_through_the_ring(
 
     with attach(tmp_path, transport, config=config) as rh:
         as_device_rank(rh)
-        rh._ring = PinnedRing(config.ring, device=torch.device("cpu"), new_marker=pending_marker)
+        rh._windows._ring = PinnedRing(config.ring, device=torch.device("cpu"), new_marker=pending_marker)
         for attempt in range(1, 4):
             rh.window_start()
             for _ in range(2):
@@ -849,10 +849,10 @@ def test_a_directive_for_this_rank_alone_is_acted_on_at_the_next_window_not_the_
         rh.window_end()
 
     window()  # attempt 1; the next agreement is at attempt 4
-    rh._apply_directives([{"id": 7, "kind": "bogus", "act_at_step": None}])  # as the sender would
+    rh._agent.apply([{"id": 7, "kind": "bogus", "act_at_step": None}])  # as the sender would
     for _ in range(2):
         window()
-        acted.append(len([a for a in rh._armory.local if a.id == 7]))
+        acted.append(len([a for a in rh._agent.armory.local if a.id == 7]))
     rh.close()
     assert acted == [0, 0]  # gone from the local list at the very next window
     (ack,) = transport.records("directive_ack")

@@ -1,0 +1,139 @@
+"""Checkpoint and resume events: what the trainer saved, and what a restart restored.
+
+A checkpoint event is sent when the trainer says the checkpoint is committed (rank 0's only:
+the store keys checkpoints by path). A resume event reads the restored objects once (a sync,
+fine at resume), continues the step and consumed counters from the checkpoint, and waits for
+the first window when it still lacks that window's first sample ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from collectors import records
+from collectors.accounting import WindowAccounting
+from collectors.agent import DirectiveAgent
+from collectors.config import RunHealthConfig
+from collectors.guard import EntryErrors, guarded
+from collectors.outbox import Outbox
+from collectors.restore import gather_restored
+from collectors.window import render_ids
+from policies.protocol import to_wire
+
+
+@dataclass
+class PendingResume:
+    """A resume event waiting for what it may still lack: the attach (for the origin) and the
+    first window (for the first batch's sample ids)."""
+
+    restored: dict[str, Any]
+    checkpoint_path: str | None
+    checkpoint_step: int | None
+    time: float
+
+
+class CheckpointEvents:
+    """``new_incarnation``: the hook's restart inside this process (a restore after windows
+    ran). ``agent``: runs the canary suite at each checkpoint when configured, and is told of
+    a resume (it ends the rollback stop)."""
+
+    def __init__(
+        self,
+        config: RunHealthConfig,
+        windows: WindowAccounting,
+        agent: DirectiveAgent,
+        outbox: Outbox,
+        faults: EntryErrors,
+        clock: Callable[[], float],
+        new_incarnation: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._windows = windows
+        self._agent = agent
+        self._outbox = outbox
+        self.faults = faults
+        self._clock = clock
+        self._new_incarnation = new_incarnation
+        self._max_sample_ids = config.hook.max_sample_ids
+        self.scheduler: Any = None  # read only at resume
+        self.resume: PendingResume | None = None
+
+    @guarded
+    def checkpoint_saved(
+        self,
+        step: int,
+        path: str,
+        *,
+        manifest: Mapping[str, Any] | None = None,
+        consumed: int | None = None,
+        tags: Sequence[str] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """A committed checkpoint (call it after the last file and the manifest landed). The
+        store keys checkpoints by path, so rank 0 sends and other ranks' calls do nothing."""
+        event = records.checkpoint(
+            step, path, self._clock(), manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
+        )
+        self._outbox.submit_event(event)
+        if self._config.hook.canary_on_checkpoint and self._windows.active:
+            self._agent.run_canary(None)
+
+    @guarded
+    def resumed(
+        self,
+        *,
+        checkpoint_path: str | None = None,
+        checkpoint_step: int | None = None,
+        consumed: int | None = None,
+        first_sample_ids: Any = None,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """What a restart restored. Reads device values (moment norms, the scale): a sync,
+        fine once at resume. Objects default to the watched ones. The step counter continues
+        from ``checkpoint_step`` (else the optimizer's step counter), ``consumed`` likewise;
+        the first batch's ids come from the first window unless given."""
+        windows = self._windows
+        if windows.active and windows.attempt > 0:
+            self._new_incarnation()  # restored in this process: what follows is a new start
+        self._agent.stop = None  # the rollback it stopped for is done
+        watched_optimizer = windows.optimizers[0] if windows.optimizers else None
+        restored = gather_restored(  # reads device values: a sync, once, at resume
+            model=model if model is not None else windows.model,
+            optimizer=optimizer if optimizer is not None else watched_optimizer,
+            scheduler=scheduler if scheduler is not None else self.scheduler,
+            scaler=scaler if scaler is not None else windows.scaler,
+        )
+        restored.update(extra or {})
+        step = checkpoint_step
+        if step is None and "optimizer_step_max" in restored.get("optimizer", {}):
+            step = int(restored["optimizer"]["optimizer_step_max"])
+        if step is not None:
+            windows.step = step
+        if consumed is not None:
+            windows.consumed = consumed
+        restored.update(resumed_step=step, consumed=consumed)
+        if first_sample_ids is not None:
+            restored["first_sample_ids"] = render_ids(first_sample_ids, self._max_sample_ids)
+        self.resume = PendingResume(to_wire(restored), checkpoint_path, checkpoint_step, self._clock())
+        if first_sample_ids is not None or windows.window is not None:
+            self.flush_resume()
+
+    def flush_resume(self) -> None:
+        """Send the pending resume event, with the current window's first ids if it lacks them."""
+        resume = self.resume
+        windows = self._windows
+        if resume is None or not windows.active:
+            return
+        self.resume = None
+        ids = windows.window.sample_ids if windows.window is not None else None
+        first_ids = render_ids(ids, self._max_sample_ids)
+        event = records.resume(
+            resume.restored, resume.checkpoint_path, resume.checkpoint_step, resume.time, first_ids
+        )
+        self._outbox.submit_event(event)
