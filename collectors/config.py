@@ -1,7 +1,8 @@
 """The hook's configuration: one frozen dataclass per component, composed here.
 
-The environment is read once, at the edge (``RunHealthConfig.from_environ``), from a mapping
-the caller passes in; no component reads ``os.environ`` itself.
+The environment is read once, at the edge (``RunHealthConfig.from_environ``, through
+``collectors.variables``), from a mapping the caller passes in; no component reads
+``os.environ`` itself. An explicit config is merged over the environment's, field by field.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from collectors.directives import DirectiveConfig
 from collectors.embedded import EmbeddedConfig
@@ -18,6 +20,7 @@ from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.tokens import IGNORE_INDEX
 from collectors.transport import TransportConfig
+from collectors.variables import read_components, text
 from policies.protocol import SAMPLE_ID_LIMIT  # the service's bound on a step's sample ids
 
 
@@ -55,8 +58,7 @@ class HookConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.max_sample_ids <= SAMPLE_ID_LIMIT:
             raise ConfigError(
-                f"HookConfig.max_sample_ids must be in [0, {SAMPLE_ID_LIMIT}], "
-                f"got {self.max_sample_ids}"
+                f"HookConfig.max_sample_ids must be in [0, {SAMPLE_ID_LIMIT}], got {self.max_sample_ids}"
             )
         if self.max_phase_marks < 2:
             raise ConfigError("HookConfig.max_phase_marks must be >= 2")
@@ -75,68 +77,69 @@ class RunHealthConfig:
     directives: DirectiveConfig = field(default_factory=DirectiveConfig)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> RunHealthConfig:
-        """Defaults, overridden by ``RUNHEALTH_*`` (and the flight recorder's own switch)."""
+    def from_environ(
+        cls, environ: Mapping[str, str], explicit: RunHealthConfig | None = None
+    ) -> RunHealthConfig:
+        """Defaults, overridden by the environment (``collectors.variables``: every component
+        field as ``RUNHEALTH_<COMPONENT>__<FIELD>``, the flat names, the flight recorder's own
+        switch), overridden by what ``explicit`` (the hook's ``config=``) sets.
+
+        "Sets" is "differs from the default": ``explicit`` is merged field by field, so
+        ``RunHealthConfig(hook=HookConfig(shift_labels=False))`` changes the label rule and keeps
+        ``RUNHEALTH_URL``, ``RUNHEALTH_TOKEN`` and ``RUNHEALTH_RUN``. A field given its default
+        value cannot be told from one left alone, so there the environment's value stands; to
+        ignore a variable, hand the hook an ``environ`` without it.
+        """
         try:
-            return cls._from_environ(environ)
+            found = read_components(cls._recorder_defaults(environ), environ)
+            return found if explicit is None else cls._overlay(found, explicit)
         except ValueError as exc:
             raise ConfigError(f"runhealth configuration: {exc}") from exc
 
     @classmethod
-    def _from_environ(cls, environ: Mapping[str, str]) -> RunHealthConfig:
+    def _recorder_defaults(cls, environ: Mapping[str, str]) -> RunHealthConfig:
+        """The defaults, with ``nccl_trace`` on when the flight recorder is."""
         defaults = cls()
-        transport = TransportConfig(
-            url=_text(environ, "RUNHEALTH_URL"),
-            token=_text(environ, "RUNHEALTH_TOKEN"),
-            run=_text(environ, "RUNHEALTH_RUN"),
-        )
-        sender = dataclasses.replace(
-            defaults.sender,
-            heartbeat_interval_s=_float(
-                environ, "RUNHEALTH_HEARTBEAT_S", defaults.sender.heartbeat_interval_s
-            ),
-        )
-        spool = dataclasses.replace(
-            defaults.spool,
-            directory=_text(environ, "RUNHEALTH_SPOOL_DIR") or defaults.spool.directory,
-        )
-        embedded = dataclasses.replace(
-            defaults.embedded, db=_text(environ, "RUNHEALTH_DB") or defaults.embedded.db
-        )
         hook = dataclasses.replace(defaults.hook, nccl_trace=_flight_recorder_on(environ))
-        return cls(transport=transport, hook=hook, sender=sender, spool=spool, embedded=embedded)
+        return dataclasses.replace(defaults, hook=hook)
+
+    @classmethod
+    def _overlay(cls, found: RunHealthConfig, explicit: RunHealthConfig) -> RunHealthConfig:
+        merged: RunHealthConfig = _overlay(found, explicit, cls())
+        return merged
+
+
+def _overlay(base: Any, explicit: Any, default: Any) -> Any:
+    """``base`` with each field of ``explicit`` that differs from ``default``'s, component by
+    component; each component's ``__post_init__`` judges the merge."""
+    if not dataclasses.is_dataclass(explicit) or isinstance(explicit, type):
+        return base if explicit == default else explicit
+    changes = {
+        item.name: _overlay(
+            getattr(base, item.name), getattr(explicit, item.name), getattr(default, item.name)
+        )
+        for item in dataclasses.fields(explicit)
+        if item.init
+    }
+    return dataclasses.replace(base, **changes)
 
 
 def default_run_name(environ: Mapping[str, str], now: float) -> str:
     """A name every start of the same job agrees on when the launcher names the job
     (torchrun's ``TORCHELASTIC_RUN_ID``, Slurm's ``SLURM_JOB_ID``); else one made from the
     start time. Only rank 0's proposal is used (it is broadcast)."""
-    elastic = environ.get("TORCHELASTIC_RUN_ID", "")
+    elastic = text(environ, "TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
         return f"run-{elastic}"
-    if environ.get("SLURM_JOB_ID"):
-        return f"slurm-{environ['SLURM_JOB_ID']}"
+    slurm = text(environ, "SLURM_JOB_ID")
+    if slurm:
+        return f"slurm-{slurm}"
     return "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-
-
-def _text(environ: Mapping[str, str], name: str) -> str | None:
-    value = environ.get(name, "").strip()
-    return value or None
-
-
-def _float(environ: Mapping[str, str], name: str, default: float) -> float:
-    raw = _text(environ, name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from exc
 
 
 def _flight_recorder_on(environ: Mapping[str, str]) -> bool:
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        raw = _text(environ, name)
+        raw = text(environ, name)
         if raw is not None:
             return raw.isdigit() and int(raw) > 0
     return False

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from collectors import variables
+
 if TYPE_CHECKING:
     import torch
 
@@ -169,7 +171,7 @@ def discover_identity(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank_from(environ, world_size),
-        node=environ.get("RUNHEALTH_NODE") or hostname(),
+        node=variables.text(environ, variables.NODE) or hostname(),
         device=str(device),
         device_uuid=device_uuid(torch, device),
         layout=layout,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies.stats import median
 from policies.types import Finding, Severity, StepPoint
 
 
@@ -67,12 +68,6 @@ class ContinuityState:
 
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def _finding(
@@ -132,7 +127,7 @@ def _lost_weights(
 ) -> tuple[Finding, ...]:
     if not initial or level_before is None or not _finite(point.loss):
         return ()
-    untrained = _median(initial)
+    untrained = median(initial)
     gap = untrained - level_before
     if gap < config.min_progress * abs(untrained):
         return ()

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.stats import array_median, robust_center_scale, robust_z
 from policies.types import Finding, Severity
 from policies.xid import XID_CATALOG, XID_CATALOG_SOURCE, XidCause, XidEntry
 
@@ -664,7 +665,7 @@ def peer_judgements(
         return ()  # no peer: nothing to be above
     keys, values = [k for k, _ in items], np.array([v for _, v in items])
     if len(values) > config.exact_up_to:
-        center, scale = _center_scale(values)
+        center, scale = robust_center_scale(values)
         candidates = np.flatnonzero(values > max(config.ratio * center, floor))
         verdicts = (
             _verdict(keys[i], values[i], center, scale, len(values) - 1, config, floor) for i in candidates
@@ -681,11 +682,6 @@ def peer_outliers(rates: Mapping[str, float], config: PeerConfig, floor: float =
     return tuple(v.key for v in peer_judgements(rates, config, floor))
 
 
-def _center_scale(values: np.ndarray[Any, Any]) -> tuple[float, float]:
-    center = float(np.median(values))
-    return center, 1.4826 * float(np.median(np.abs(values - center)))
-
-
 def _leave_one_out(
     index: int, keys: list[str], values: np.ndarray[Any, Any], config: PeerConfig, floor: float
 ) -> PeerVerdict | None:
@@ -694,11 +690,11 @@ def _leave_one_out(
         bar = max(config.ratio * float(peers.max()), floor)
         rate = float(values[index])
         return (
-            PeerVerdict(keys[index], rate, float(np.median(peers)), len(peers), bar, None)
+            PeerVerdict(keys[index], rate, array_median(peers), len(peers), bar, None)
             if rate > bar
             else None
         )
-    center, scale = _center_scale(peers)
+    center, scale = robust_center_scale(peers)
     return _verdict(keys[index], float(values[index]), center, scale, len(peers), config, floor)
 
 
@@ -707,7 +703,7 @@ def _verdict(
 ) -> PeerVerdict | None:
     bar = max(config.ratio * center, floor)
     # Peers that all agree (error counters are often all zero) have no spread: any excess is out.
-    z = (rate - center) / scale if scale > 0 else math.inf
+    z = robust_z(rate, center, scale)
     if rate <= bar or z < config.z:
         return None
     return PeerVerdict(key, rate, center, peers, bar, z if math.isfinite(z) else None)
@@ -830,7 +826,7 @@ def elevated_clock_reasons(
         values = [p[reason] for p in peer_list if reason in p and math.isfinite(p[reason])]
         if fraction is None or not math.isfinite(fraction) or len(values) < config.min_peers:
             continue
-        median = float(np.median(values))
+        median = array_median(values)
         if fraction - median >= config.min_excess and fraction >= config.ratio * median:
             elevated.append(ClockReasonExcess(reason, fraction, median, len(values)))
     return tuple(sorted(elevated, key=lambda e: -e.excess))

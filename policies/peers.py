@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from policies.stats import finite_median
+
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 
@@ -50,6 +52,4 @@ class RankWindow:
 
 def peer_median(values: Floats, members: npt.NDArray[np.intp]) -> float:
     """The median over a group's finite values (NaN when none is finite)."""
-    chosen = values[members]
-    finite = chosen[np.isfinite(chosen)]
-    return float(np.median(finite)) if len(finite) else float("nan")
+    return finite_median(values[members])

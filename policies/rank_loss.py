@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from policies.peers import RankWindow
+from policies.stats import allowed_excess, array_median_mad
 from policies.types import Finding, Severity
-from policies.window import MAD_TO_SIGMA, RobustWindow
+from policies.window import RobustWindow
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,11 @@ def observe_rank_loss(
         finite = values[np.isfinite(values)]
         if len(finite) < config.min_peers:
             continue
-        center = float(np.median(finite))
-        spreads.append(float(np.median(np.abs(finite - center))))
+        center, deviation = array_median_mad(finite)
+        spreads.append(deviation)
         if not warm:
             continue
-        allowed = max(config.z * MAD_TO_SIGMA * scale, config.min_relative * abs(center))
+        allowed = max(allowed_excess(config.z, scale), config.min_relative * abs(center))
         for index in members[np.isfinite(values) & (values > center + allowed)]:
             found.append(_finding(window, int(index), float(per_token[index]), center, center + allowed))
     spread = state.spread

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from policies.stats import allowed_excess
 from policies.types import Finding, Severity, StepPoint
-from policies.window import MAD_TO_SIGMA, RobustWindow
+from policies.window import RobustWindow
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _allowed_excess(window: RobustWindow, config: SpikeConfig) -> tuple[float, f
     if len(window) < config.warmup:
         return center, cold, False
     spread = window.step_mad() if config.noise == "steps" else window.mad()
-    return center, max(config.z * MAD_TO_SIGMA * spread, floor), True
+    return center, max(allowed_excess(config.z, spread), floor), True
 
 
 def observe_spike(

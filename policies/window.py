@@ -5,9 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-# Scales a median absolute deviation to a standard deviation for normal noise.
-MAD_TO_SIGMA = 1.4826
-SQRT2 = 2.0**0.5
+from policies.stats import mad, median_of_sorted, step_mad
 
 
 @dataclass(frozen=True)
@@ -50,25 +48,12 @@ class RobustWindow:
         return len(self.values)
 
     def median(self) -> float:
-        return _median_sorted(self.ordered)
+        return median_of_sorted(self.ordered)
 
     def mad(self) -> float:
-        center = self.median()
-        return _median_sorted(sorted(abs(v - center) for v in self.ordered))
+        return mad(self.ordered, self.median())
 
     def step_mad(self) -> float:
-        """MAD of step-to-step changes, divided by sqrt(2): the noise of one value whatever
-        the slow trend of the window (a falling loss inflates ``mad`` with the fall itself)."""
-        if len(self.values) < 3:
-            return self.mad()
-        changes = sorted(b - a for a, b in zip(self.values, self.values[1:], strict=False))
-        center = _median_sorted(changes)
-        return _median_sorted(sorted(abs(c - center) for c in changes)) / SQRT2
-
-
-def _median_sorted(ordered: tuple[float, ...] | list[float]) -> float:
-    n = len(ordered)
-    if n == 0:
-        raise ValueError("median of an empty window")
-    mid = n // 2
-    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        """MAD of step-to-step changes over sqrt 2 (``policies.stats.step_mad``): blind to the
+        window's slow trend, which inflates ``mad`` (a falling loss)."""
+        return step_mad(self.values)

@@ -144,6 +144,9 @@ def test_other_runhealth_variables_are_not_the_services() -> None:
         "RUNHEALTH_TOKEN": "t",
         "RUNHEALTH_NODE": "n",
         "RUNHEALTH_SPOOL_DIR": "/s",
+        "RUNHEALTH_OPERATOR_TOKEN": "o",
+        "RUNHEALTH_HOOK__SHIFT_LABELS": "0",
+        "RUNHEALTH_SENDER__FLUSH_INTERVAL_S": "1",
     }
     assert service_config(environ) == ServiceConfig()
 

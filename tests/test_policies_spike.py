@@ -4,8 +4,8 @@ import random
 import pytest
 
 from policies.spike import SpikeConfig, SpikeState, observe_spike
+from policies.stats import MAD_TO_SIGMA
 from policies.types import Severity, StepPoint
-from policies.window import MAD_TO_SIGMA
 
 CONFIG = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05)
 

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic_settings import BaseSettings, TomlConfigSettingsSource
 
 from monitor.config import ConfigError
-from monitor.settings.layout import DELIMITER, LEGACY_VARIABLES, PREFIX, Path
+from monitor.settings.layout import DELIMITER, LEGACY_VARIABLES, PREFIX, TRAINER_SECTIONS, Path
 
 # The variable naming the settings file (``--config`` takes precedence).
 FILE_VARIABLE = "RUNHEALTH_CONFIG"
@@ -29,8 +29,9 @@ class Layer:
 
 def environment_layer(environ: Mapping[str, str], top_level: Collection[str]) -> Layer:
     """``RUNHEALTH_SECTION__FIELD`` (any case) and the legacy flat names; an empty value is
-    unset. Other ``RUNHEALTH_*`` names (the trainer's and the CLI's own) are not the service's
-    and are left alone; a ``__`` name that is no setting is an error, so a typo is not silent."""
+    unset. Other ``RUNHEALTH_*`` names (the trainer's and the CLI's own, ``TRAINER_SECTIONS``)
+    are not the service's and are left alone; any other ``__`` name that is no setting is an
+    error, so a typo is not silent."""
     layer = Layer()
     for variable, raw in environ.items():
         path = _setting_path(variable.upper(), top_level)
@@ -70,7 +71,8 @@ def _setting_path(variable: str, top_level: Collection[str]) -> Path | None:
         return None
     rest = variable[len(PREFIX) :].lower()
     if DELIMITER in rest:
-        return tuple(rest.split(DELIMITER))
+        path = tuple(rest.split(DELIMITER))
+        return None if path[0] in TRAINER_SECTIONS else path
     return (rest,) if rest in top_level else None
 
 
