@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from monitor.cli.options import JsonOption
 from monitor.cli.render import UserError, out, print_json, table
+
+if TYPE_CHECKING:
+    from collectors.leftovers import SendResult
 
 SpoolDirOption = Annotated[
     Path | None,
@@ -73,6 +76,26 @@ def only_run_to_send(where: Path, dead_letters: bool) -> str | None:
     return candidates[0] if candidates else None
 
 
+def service_credentials(url: str | None, token: str | None) -> tuple[str, str]:
+    """The service's URL and a token, from the options or else the environment the hooks read."""
+    url = url or os.environ.get("RUNHEALTH_URL")
+    token = token or os.environ.get("RUNHEALTH_TOKEN")
+    if not url or not token:
+        raise UserError(
+            "spool send needs the service's --url and a --token (or RUNHEALTH_URL, RUNHEALTH_TOKEN)"
+        )
+    return url, token
+
+
+def print_sent(result: SendResult) -> None:
+    typer.echo(
+        f"run {result.run}: {result.replayed} records delivered, {result.dead_lettered} dead-lettered, "
+        f"{result.unreadable} unreadable lines skipped, {result.redriven} dead-lettered records resent"
+    )
+    if result.held:
+        typer.echo(f"left to live trainers: {', '.join(result.held)}")
+
+
 def spool_send(
     run: Annotated[
         str | None, typer.Option(help="The run (default: the only one with something to send).")
@@ -103,12 +126,7 @@ def spool_send(
     from collectors.transport import HttpTransport, TransportConfig
 
     where = spool_directory(directory)
-    url = url or os.environ.get("RUNHEALTH_URL")
-    token = token or os.environ.get("RUNHEALTH_TOKEN")
-    if not url or not token:
-        raise UserError(
-            "spool send needs the service's --url and a --token (or RUNHEALTH_URL, RUNHEALTH_TOKEN)"
-        )
+    url, token = service_credentials(url, token)
     if timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {timeout}")
     if run is None:
@@ -132,12 +150,7 @@ def spool_send(
     if as_json:
         print_json(asdict(result))
     else:
-        typer.echo(
-            f"run {result.run}: {result.replayed} records delivered, {result.dead_lettered} dead-lettered, "
-            f"{result.unreadable} unreadable lines skipped, {result.redriven} dead-lettered records resent"
-        )
-        if result.held:
-            typer.echo(f"left to live trainers: {', '.join(result.held)}")
+        print_sent(result)
     if not result.complete:
         typer.echo(
             "runhealth: records are still spooled (the service stopped taking them); send again", err=True
