@@ -23,13 +23,15 @@ def config_show(config: ConfigOption = None, as_json: JsonOption = False) -> Non
         print_json({"file": effective.file, "settings": [_document(row) for row in rows]})
         return
     title = f"settings (file {effective.file})" if effective.file else "settings (no settings file)"
-    out.print(
-        table(
-            title,
-            ["setting", "value", "from", "variable"],
-            [(row.name, _text(row.value), row.origin or row.source, row.variable) for row in rows],
-        )
+    view = table(
+        title,
+        ["setting", "value", "from"],
+        [(row.name, _text(row.value), row.origin or row.source) for row in rows],
     )
+    for column in view.columns:
+        column.overflow = "fold"  # names have no spaces to wrap at; cut, they would not say which
+    out.print(view)
+    out.print("each setting's variable: RUNHEALTH_ and its name in capitals, __ for each dot")
 
 
 def _shown(setting: Setting) -> Setting:
