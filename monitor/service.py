@@ -43,7 +43,7 @@ class Service:
         self.policies = PolicyEngine(engine, config.engine, clock)
         self.fleet = FleetWatch(engine, config.devices, self.policies.incidents, self.policies.last_step)
         self.hangs = HangWatch(engine, config.engine.hangs, self.policies.incidents, clock)
-        self.policies.enrich_straggler = self.fleet.straggler_evidence
+        self.policies.add_device_evidence = self.fleet.straggler_evidence
         self.decisions = Decisions(engine, config.decisions, clock)
         self.canaries = CanaryWatch(
             engine,

@@ -268,3 +268,25 @@ def canary_interval_s(suite_seconds: float, config: ScheduleConfig) -> float:
 
 def spent_fraction(canary_seconds: float, training_seconds: float) -> float:
     return canary_seconds / training_seconds if training_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CanaryRound:
+    """Every rank's canary result at one step, and the golden fingerprints known for them."""
+
+    results: Sequence[CanaryResult]
+    golden: Mapping[tuple[str, str], KernelResult]
+
+
+@dataclass(frozen=True)
+class RoundComparison:
+    """``policies.registry`` canary policy: ``compare_round``."""
+
+    config: CanaryConfig
+    name: str = "round_comparison"
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: CanaryRound) -> tuple[None, RoundVerdict]:
+        return None, compare_round(observed.results, observed.golden, self.config)

@@ -830,3 +830,72 @@ def elevated_clock_reasons(
         if fraction - median >= config.min_excess and fraction >= config.ratio * median:
             elevated.append(ClockReasonExcess(reason, fraction, median, len(values)))
     return tuple(sorted(elevated, key=lambda e: -e.excess))
+
+
+@dataclass(frozen=True)
+class DeviceChange:
+    """A device's new sample beside the one judged before it (None: its first)."""
+
+    previous: DeviceReading | None
+    current: DeviceReading
+    step: int
+    """The run's newest step when the sample arrived: a device sample belongs to no step."""
+
+
+@dataclass(frozen=True)
+class LinkChange:
+    previous: LinkReading | None
+    current: LinkReading
+    step: int
+
+
+@dataclass(frozen=True)
+class PeerRates:
+    """One run's device and port counter rates over the span since the last comparison."""
+
+    devices: Sequence[CounterRates]
+    links: Sequence[CounterRates]
+    step: int
+
+
+@dataclass(frozen=True)
+class DeviceRules:
+    """``policies.registry`` device policy: ``device_findings``."""
+
+    config: DevicesConfig
+    name: str = "device_rules"
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: DeviceChange) -> tuple[None, tuple[Finding, ...]]:
+        return None, device_findings(observed.previous, observed.current, self.config, step=observed.step)
+
+
+@dataclass(frozen=True)
+class LinkRules:
+    """``policies.registry`` link policy: ``link_findings``."""
+
+    config: DevicesConfig
+    name: str = "link_rules"
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: LinkChange) -> tuple[None, tuple[Finding, ...]]:
+        return None, link_findings(observed.previous, observed.current, self.config, step=observed.step)
+
+
+@dataclass(frozen=True)
+class PeerRules:
+    """``policies.registry`` peer policy: device then port error rates against their peers'."""
+
+    config: DevicesConfig
+    name: str = "peer_rates"
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: PeerRates) -> tuple[None, tuple[Finding, ...]]:
+        devices = device_peer_findings(observed.devices, self.config, step=observed.step)
+        return None, devices + link_peer_findings(observed.links, self.config, step=observed.step)

@@ -107,3 +107,20 @@ def _finding(window: RankWindow, index: int, value: float, center: float, thresh
             "sample_ids": list(window.sample_ids[index] or [])[:64],
         },
     )
+
+
+@dataclass(frozen=True)
+class RankLossPolicy:
+    """``policies.registry.RankPolicy``: a late record is judged against its window's peers
+    with the spreads as they stand (it does not move them)."""
+
+    config: RankLossConfig
+    name: str = "rank_loss"
+    late: bool = True
+    device_evidence: bool = False
+
+    def start(self) -> RankLossState:
+        return RankLossState.empty(self.config)
+
+    def judge(self, state: RankLossState, observed: RankWindow) -> tuple[RankLossState, tuple[Finding, ...]]:
+        return observe_rank_loss(state, observed, self.config)

@@ -173,3 +173,22 @@ def _finding(window: RankWindow, score: StragglerScore, threshold: float) -> Fin
         device=device,
         evidence={"phase": score.phase, "ratio": score.ratio},
     )
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    """``policies.registry.RankPolicy``: smoothed over windows in order, so a late record is
+    not judged; its findings carry the slow device's evidence."""
+
+    config: StragglerConfig
+    name: str = "stragglers"
+    late: bool = False
+    device_evidence: bool = True
+
+    def start(self) -> StragglerState:
+        return StragglerState()
+
+    def judge(
+        self, state: StragglerState, observed: RankWindow
+    ) -> tuple[StragglerState, tuple[Finding, ...]]:
+        return observe_stragglers(state, observed, self.config)

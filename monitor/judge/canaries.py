@@ -23,12 +23,13 @@ from monitor.store import models
 from policies.canary import (
     CanaryConfig,
     CanaryResult,
+    CanaryRound,
     KernelResult,
     ScheduleConfig,
     canary_interval_s,
-    compare_round,
     spent_fraction,
 )
+from policies.registry import CanaryPolicy, canary_policy
 
 RESULT = models.table_of(models.CanaryResult)
 GOLDEN = models.table_of(models.CanaryGolden)
@@ -66,9 +67,12 @@ class CanaryWatch:
         recorder: IncidentRecorder,
         clock: Callable[[], float],
         on_hardware: Callable[[int, list[int]], object] = lambda _run, _ranks: None,
+        comparison: CanaryPolicy | None = None,
     ) -> None:
         self._engine = engine
         self._config = config
+        # The round's verdict also names the golden fingerprints to keep and the ranks to re-run.
+        self._comparison = comparison if comparison is not None else canary_policy(config.comparison)
         self._recorder = recorder
         self._clock = clock
         self._on_hardware = on_hardware
@@ -170,7 +174,7 @@ class CanaryWatch:
             for r in rows
         ]
         golden = self._golden(connection, {r.stack for r in results})
-        verdict = compare_round(results, golden, self._config.comparison)
+        _, verdict = self._comparison.judge(None, CanaryRound(results, golden))
         # Judged ranks took part as references; only the others get verdicts now.
         unjudged = {r["rank"] for r in rows if not r["judged"]}
         verdict = replace(

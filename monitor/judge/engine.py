@@ -9,7 +9,6 @@ per-rank signals are vectorised over the window's records.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -24,9 +23,8 @@ from monitor.judge.readings import rank_window
 from monitor.judge.resumes import judge_resumes
 from monitor.store import hook_settings, models, queries
 from policies.hangs import HangConfig
-from policies.numerics import nonfinite_findings
-from policies.peers import RankWindow
-from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
+from policies.rank_loss import RankLossConfig
+from policies.rank_nonfinite import RankNonfiniteConfig
 from policies.readiness import (
     IncarnationWindows,
     PendingWindow,
@@ -34,9 +32,10 @@ from policies.readiness import (
     expected_ranks,
     ready_windows,
 )
+from policies.registry import RankPolicy, rank_policies
 from policies.series import SeriesConfig, SeriesState, observe_step
-from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers
-from policies.types import Finding, Severity, StepPoint
+from policies.stragglers import StragglerConfig
+from policies.types import Finding, StepPoint
 
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
@@ -47,9 +46,6 @@ RANK_COLUMNS = (
     "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
     "data_wait_s", "forward_s", "backward_s", "optimizer_s",
 )  # fmt: skip
-
-# More ranks than this nonfinite in one window is reported as a count, not rank by rank.
-MAX_NAMED_RANKS = 8
 
 
 @dataclass(frozen=True)
@@ -64,6 +60,7 @@ class EngineConfig:
     """
 
     series: SeriesConfig = field(default_factory=SeriesConfig)
+    rank_nonfinite: RankNonfiniteConfig = field(default_factory=RankNonfiniteConfig)
     rank_loss: RankLossConfig = field(default_factory=RankLossConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     hangs: HangConfig = field(default_factory=HangConfig)
@@ -112,8 +109,7 @@ def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
 @dataclass
 class _RunState:
     series: SeriesState
-    rank_loss: RankLossState
-    stragglers: StragglerState = field(default_factory=StragglerState)
+    ranks: dict[str, Any]  # each per-rank policy's state, by its name
     last_incarnation: str | None = None
     last_step: int = 0
     world_size: dict[str, int] = field(default_factory=dict)
@@ -125,17 +121,29 @@ class _RunState:
 
 
 class PolicyEngine:
-    """Runs the policies over each run's windows as they become complete."""
+    """Runs the policies over each run's windows as they become complete: the whole-step
+    series, then every per-rank policy of ``rank_policies`` (by default those of
+    ``policies.registry.rank_policies`` over this config)."""
 
-    def __init__(self, engine: Engine, config: EngineConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: EngineConfig,
+        clock: Callable[[], float],
+        rank_policies: Sequence[RankPolicy] | None = None,
+    ) -> None:
         self._engine = engine
         self._config = config
         self._clock = clock
+        self._rank_policies = tuple(
+            rank_policies if rank_policies is not None else default_rank_policies(config)
+        )
         self._states: dict[int, _RunState] = {}
         self._lock = threading.RLock()
         self.incidents = IncidentRecorder(config.series.grouping, clock)
-        # Set by the service: adds device and link evidence to a straggler finding.
-        self.enrich_straggler: Callable[[int, Finding], Finding] = lambda _run, finding: finding
+        # Set by the service: adds a device's and its node's evidence to a finding about a slow
+        # device (from the policies whose ``device_evidence`` says so).
+        self.add_device_evidence: Callable[[int, Finding], Finding] = lambda _run, finding: finding
 
     @property
     def config(self) -> EngineConfig:
@@ -144,6 +152,13 @@ class PolicyEngine:
     def last_step(self, run_id: int) -> int:
         state = self._states.get(run_id)
         return state.last_step if state is not None else 0
+
+    def policy_state(self, run_id: int, name: str) -> object | None:
+        """The state the per-rank policy ``name`` keeps for the run, as last updated; None
+        before the run's first window here (after a service restart it warms up anew)."""
+        with self._lock:
+            state = self._states.get(run_id)
+            return None if state is None else state.ranks.get(name)
 
     def note_steps(self, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
         """Keep a batch's new step records for judging their windows without a read-back."""
@@ -194,9 +209,10 @@ class PolicyEngine:
                 windows.setdefault((row["incarnation"], row["attempt"]), set()).add(row["rank"])
             for (incarnation, attempt), ranks in windows.items():
                 window = rank_window(self._window_rows(connection, run_id, incarnation, attempt))
-                findings += [f for f in _rank_nonfinite(window) if f.rank in ranks or f.rank is None]
-                _, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
-                findings += [f for f in outliers if f.rank in ranks]
+                for policy in self._rank_policies:
+                    if policy.late:  # judged with the state as it stands: a late record does not move it
+                        _, found = policy.judge(state.ranks[policy.name], window)
+                        findings += [f for f in found if f.rank is None or f.rank in ranks]
             return self.incidents.record(connection, run_id, findings, state.last_step)
 
     def judge_resumes(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
@@ -232,7 +248,7 @@ class PolicyEngine:
         ).mappings()
         state = _RunState(
             series=SeriesState.empty(self._config.series),
-            rank_loss=RankLossState.empty(self._config.rank_loss),
+            ranks={policy.name: policy.start() for policy in self._rank_policies},
         )
         for summary in reversed(list(rows)):
             restart = state.last_incarnation not in (None, summary["incarnation"])
@@ -257,10 +273,11 @@ class PolicyEngine:
             rows = self._window_rows(connection, run_id, *key)
         if rows:
             window = rank_window(rows)
-            findings += _rank_nonfinite(window)
-            state.rank_loss, outliers = observe_rank_loss(state.rank_loss, window, self._config.rank_loss)
-            state.stragglers, slow = observe_stragglers(state.stragglers, window, self._config.stragglers)
-            findings += list(outliers) + [self.enrich_straggler(run_id, f) for f in slow]
+            for policy in self._rank_policies:
+                state.ranks[policy.name], judged = policy.judge(state.ranks[policy.name], window)
+                if policy.device_evidence:
+                    judged = [self.add_device_evidence(run_id, f) for f in judged]
+                findings += judged
         return findings
 
     def _window_rows(
@@ -384,41 +401,5 @@ class PolicyEngine:
                 state.declared.add(incarnation)
 
 
-def _rank_nonfinite(window: RankWindow) -> list[Finding]:
-    """Name the ranks whose own loss, grad norm or loss scale is nonfinite (a NaN on one rank is
-    usually that rank's data or device; a NaN everywhere is the all-reduce spreading it)."""
-    found = []
-    for index, rank in enumerate(window.ranks.tolist()):
-        loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
-        loss = loss_sum / tokens if tokens > 0 else (loss_sum if not math.isfinite(loss_sum) else None)
-        point = StepPoint(step=window.step, loss=loss, incarnation=window.incarnation, attempt=window.attempt)
-        found += [
-            Finding(
-                **{
-                    **f.__dict__,
-                    "rank": rank,
-                    "node": window.nodes[index],
-                    "device": window.devices[index],
-                    "message": f"rank {rank}: {f.message}",
-                    "evidence": {"sample_ids": list(window.sample_ids[index] or [])[:64]},
-                }
-            )
-            for f in nonfinite_findings(point)
-        ]
-    if len(found) > MAX_NAMED_RANKS:
-        first = found[0]
-        return [
-            Finding(
-                step=first.step,
-                kind="nonfinite",
-                severity=Severity.CRITICAL,
-                signal="loss",
-                value=first.value,
-                threshold=None,
-                incarnation=first.incarnation,
-                attempt=first.attempt,
-                message=f"{len(found)} ranks have a nonfinite loss at step {first.step}",
-                evidence={"ranks": len(found)},
-            )
-        ]
-    return found
+def default_rank_policies(config: EngineConfig) -> tuple[RankPolicy, ...]:
+    return rank_policies(config.rank_nonfinite, config.rank_loss, config.stragglers)

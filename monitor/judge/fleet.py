@@ -21,18 +21,25 @@ from monitor.judge.incidents import IncidentRecorder
 from monitor.judge.readings import device_reading, link_reading
 from monitor.store import models
 from policies.devices import (
+    DeviceChange,
     DeviceReading,
     DevicesConfig,
+    LinkChange,
     LinkReading,
+    PeerRates,
     carry_forward,
     clock_event_fractions,
-    device_findings,
-    device_peer_findings,
     device_rates,
     elevated_clock_reasons,
-    link_findings,
-    link_peer_findings,
     link_rates,
+)
+from policies.registry import (
+    DevicePolicy,
+    LinkPolicy,
+    PeerPolicy,
+    device_policies,
+    link_policies,
+    peer_policies,
 )
 from policies.types import Finding
 
@@ -43,15 +50,24 @@ LINK_ERROR_COUNTERS = ("symbol_error", "link_downed", "link_error_recovery", "po
 
 
 class FleetWatch:
+    """Runs the device, link and peer policies (by default ``policies.registry``'s over
+    ``config``) over each run's samples."""
+
     def __init__(
         self,
         engine: Engine,
         config: DevicesConfig,
         recorder: IncidentRecorder,
         last_step: Callable[[int], int],
+        devices: Sequence[DevicePolicy] | None = None,
+        links: Sequence[LinkPolicy] | None = None,
+        peers: Sequence[PeerPolicy] | None = None,
     ) -> None:
         self._engine = engine
         self._config = config
+        self._device_policies = tuple(devices if devices is not None else device_policies(config))
+        self._link_policies = tuple(links if links is not None else link_policies(config))
+        self._peer_policies = tuple(peers if peers is not None else peer_policies(config))
         self._recorder = recorder
         self._last_step = last_step
         self._lock = threading.Lock()
@@ -84,13 +100,14 @@ class FleetWatch:
         previous = self._devices.get(key)
         if previous is None:
             previous = self._stored_device(connection, run_id, reading)
-        found = device_findings(previous, reading, self._config, step=step)
+        change = DeviceChange(previous, reading, step)
+        found = [f for policy in self._device_policies for f in policy.judge(None, change)[1]]
         if previous is None or reading.seq > previous.seq:
             if previous is not None:
                 self._fractions[(run_id, reading.device)] = dict(clock_event_fractions(previous, reading))
             self._devices[key] = carry_forward(previous, reading)
             self._held_devices.setdefault(key, self._devices[key])
-        return list(found)
+        return found
 
     def _stored_device(
         self, connection: Connection, run_id: int, reading: DeviceReading
@@ -134,7 +151,8 @@ class FleetWatch:
                 .first()
             )
             previous = None if row is None else link_reading(dict(row))
-        found = link_findings(previous, reading, self._config, step=step)
+        change = LinkChange(previous, reading, step)
+        found = [f for policy in self._link_policies for f in policy.judge(None, change)[1]]
         if previous is None or reading.seq > previous.seq:
             if previous is not None:
                 errors = sum(
@@ -145,7 +163,7 @@ class FleetWatch:
                 self._link_errors[(run_id, reading.node)] = errors / span
             self._links[key] = reading
             self._held_links.setdefault(key, reading)
-        return list(found)
+        return found
 
     def compare_peers(self) -> list[int]:
         """Error rates of every device and port against its run's peers since the last call."""
@@ -164,8 +182,8 @@ class FleetWatch:
                     if k[0] == run_id and r.seq > self._held_links[k].seq
                 ]
                 step = self._last_step(run_id)
-                findings = list(device_peer_findings(device_spans, self._config, step=step))
-                findings += list(link_peer_findings(link_spans, self._config, step=step))
+                rates = PeerRates(device_spans, link_spans, step)
+                findings = [f for policy in self._peer_policies for f in policy.judge(None, rates)[1]]
                 for key, reading in self._devices.items():
                     if key[0] == run_id:
                         self._held_devices[key] = reading

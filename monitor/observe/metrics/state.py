@@ -4,8 +4,8 @@ The fleet watch keeps each device's and port's newest reading, and the policy en
 run's smoothed straggler ratios. Reading them costs a dictionary copy; deriving the same from
 the store would scan every device sample (16,384 devices every 10 s is 140 million rows a day)
 or every step record. Both live in private attributes of classes this package does not own:
-this module is the one place that reaches in, under each owner's lock, until they grow public
-accessors (``FleetWatch.latest()`` and ``PolicyEngine.straggler_state(run_id)`` would replace it).
+this module is the one place that reaches into the fleet watch, under its lock, until it grows a
+public accessor (``FleetWatch.latest()`` would replace it); the engine's is ``policy_state``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from monitor.judge.engine import PolicyEngine
 from monitor.judge.fleet import FleetWatch
 from policies.devices import DeviceReading, LinkReading
-from policies.stragglers import StragglerScore, StragglerState
+from policies.stragglers import StragglerPolicy, StragglerScore, StragglerState
 
 
 def device_readings(fleet: FleetWatch) -> list[tuple[int, DeviceReading]]:
@@ -35,9 +35,8 @@ def link_readings(fleet: FleetWatch) -> list[tuple[int, LinkReading]]:
 def straggler_state(policies: PolicyEngine, run_id: int) -> StragglerState | None:
     """The run's straggler state as the engine last updated it, or None before its first window
     (after a service restart the engine warms up anew, and so do these series)."""
-    with policies._lock:
-        state = policies._states.get(run_id)
-    return None if state is None else state.stragglers
+    state = policies.policy_state(run_id, StragglerPolicy.name)
+    return state if isinstance(state, StragglerState) else None
 
 
 def top_stragglers(state: StragglerState, min_windows: int, k: int) -> list[StragglerScore]:

@@ -1,0 +1,82 @@
+"""Which ranks of a window have a nonfinite loss, grad norm or loss scale of their own.
+
+A NaN on one rank is usually that rank's data or device; a NaN everywhere is the all-reduce
+spreading it, and is then one finding with a count rather than one per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.numerics import nonfinite_findings
+from policies.peers import RankWindow
+from policies.types import Finding, Severity, StepPoint
+
+
+@dataclass(frozen=True)
+class RankNonfiniteConfig:
+    """``max_named_ranks`` 8: more ranks than this nonfinite in one window are reported as a
+    count, not rank by rank (an incident naming hundreds of ranks says less than its count)."""
+
+    max_named_ranks: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_named_ranks < 1:
+            raise ValueError("RankNonfiniteConfig.max_named_ranks must be >= 1")
+
+
+def rank_nonfinite_findings(window: RankWindow, config: RankNonfiniteConfig) -> list[Finding]:
+    """Name the ranks whose own loss, grad norm or loss scale is nonfinite."""
+    found = []
+    for index, rank in enumerate(window.ranks.tolist()):
+        loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
+        loss = loss_sum / tokens if tokens > 0 else (loss_sum if not math.isfinite(loss_sum) else None)
+        point = StepPoint(step=window.step, loss=loss, incarnation=window.incarnation, attempt=window.attempt)
+        found += [
+            Finding(
+                **{
+                    **f.__dict__,
+                    "rank": rank,
+                    "node": window.nodes[index],
+                    "device": window.devices[index],
+                    "message": f"rank {rank}: {f.message}",
+                    "evidence": {"sample_ids": list(window.sample_ids[index] or [])[:64]},
+                }
+            )
+            for f in nonfinite_findings(point)
+        ]
+    if len(found) > config.max_named_ranks:
+        first = found[0]
+        return [
+            Finding(
+                step=first.step,
+                kind="nonfinite",
+                severity=Severity.CRITICAL,
+                signal="loss",
+                value=first.value,
+                threshold=None,
+                incarnation=first.incarnation,
+                attempt=first.attempt,
+                message=f"{len(found)} ranks have a nonfinite loss at step {first.step}",
+                evidence={"ranks": len(found)},
+            )
+        ]
+    return found
+
+
+@dataclass(frozen=True)
+class RankNonfinitePolicy:
+    """``policies.registry.RankPolicy``: no memory; late records are judged too (a NaN that
+    arrives late is still a NaN)."""
+
+    config: RankNonfiniteConfig = RankNonfiniteConfig()
+    name: str = "rank_nonfinite"
+    late: bool = True
+    device_evidence: bool = False
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: RankWindow) -> tuple[None, list[Finding]]:
+        return None, rank_nonfinite_findings(observed, self.config)
