@@ -35,6 +35,27 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """Periods of the service's scheduled jobs (``monitor.scheduler``).
+
+    - ``hang_check_s`` 5: the hook's heartbeat interval, so a hang is seen within one
+      heartbeat of its timeout; windows that nothing newer will release are judged as often.
+    - ``peer_compare_s`` 300: error rates over five minutes; a single error in one 10 s
+      sample interval is not a burst.
+    - ``canary_s`` 30: how often due canary schedules are issued and rounds that lost a rank
+      are judged; the schedules' own intervals (minutes to hours) are kept in the store.
+    """
+
+    hang_check_s: float = 5.0
+    peer_compare_s: float = 300.0
+    canary_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.hang_check_s <= 0 or self.peer_compare_s <= 0 or self.canary_s <= 0:
+            raise ValueError("SchedulerConfig: periods must be positive")
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     db: str | None = None
     admin_token: str | None = None
@@ -44,3 +65,4 @@ class ServiceConfig:
     decisions: DecisionConfig = field(default_factory=DecisionConfig)
     canaries: CanaryServiceConfig = field(default_factory=CanaryServiceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -3,7 +3,8 @@ import threading
 import pytest
 from sqlalchemy.engine import Engine
 
-from monitor.scheduler import ScheduleConfig, start_scheduler
+from monitor.config import SchedulerConfig
+from monitor.scheduler import start_scheduler
 from monitor.service import Service
 
 
@@ -20,7 +21,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
         raise RuntimeError("the store blinked")
 
     service.hangs.check = failing_check  # type: ignore[method-assign]
-    scheduler = start_scheduler(service, ScheduleConfig(hang_check_s=0.05, peer_compare_s=60))
+    scheduler = start_scheduler(service, SchedulerConfig(hang_check_s=0.05, peer_compare_s=60))
     try:
         assert ran.wait(timeout=10)
         assert {job.id for job in scheduler.get_jobs()} == {
@@ -36,4 +37,4 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
 
 def test_config_rejects_nonpositive_periods() -> None:
     with pytest.raises(ValueError):
-        ScheduleConfig(hang_check_s=0)
+        SchedulerConfig(hang_check_s=0)

@@ -27,7 +27,7 @@ def serve(
 ) -> None:
     """Serve the ingest API and /healthz."""
     from monitor.api.server import admin_token_for, bind, prepare_store, uvicorn_server
-    from monitor.scheduler import ScheduleConfig, start_scheduler
+    from monitor.scheduler import start_scheduler
 
     config = service_config(os.environ, file=config_file, db=db)
     token_file = admin_token_file or Path(
@@ -43,7 +43,7 @@ def serve(
         tmp.replace(port_file)
     where = f"admin token in {written}" if written else "admin token from RUNHEALTH_ADMIN_TOKEN"
     typer.echo(f"runhealth serving on http://{host}:{bound} ({where})", err=True)
-    scheduler = start_scheduler(service, ScheduleConfig())
+    scheduler = start_scheduler(service, config.scheduler)
     try:
         uvicorn_server(service, log_level).run(sockets=[sock])
     finally:

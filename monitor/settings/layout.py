@@ -33,6 +33,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("decisions",): ("decisions",),
     ("quarantine",): ("decisions", "actions"),
     ("canaries",): ("canaries",),
+    ("scheduler",): ("scheduler",),
     ("policies", "spike"): ("engine", "series", "loss_spike"),
     ("policies", "grad_norm_spike"): ("engine", "series", "grad_norm_spike"),
     ("policies", "numerics"): ("engine", "series", "numerics"),
