@@ -22,7 +22,7 @@ from policies.flags import FALSE_WORDS, TRUE_WORDS, FlagError, parse_flag
 
 class SettingsBase(BaseSettings):
     """The root of the generated model. Its values come only from the keyword arguments
-    ``monitor.settings.read`` layers from the environment mapping and the file, because the
+    ``read_settings`` layers from the environment mapping and the file, because the
     reader keeps each value's origin (``runhealth config show``) and never reads
     ``os.environ`` itself."""
 
