@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -59,6 +62,7 @@ def tree_copy(tmp_path: Path) -> Path:
     [
         ("policies/spike.py", "monitor.store.models", "policies imports neither side"),
         ("policies/spike.py", "sqlalchemy", "policies is pure"),
+        ("policies/protocol/kinds.py", "numpy", "the record protocol imports only the standard library"),
         ("collectors/spool.py", "monitor.store.floats", "collectors imports no service code"),
         ("monitor/judge/engine.py", "collectors.leftovers", "monitor imports no trainer code"),
         ("monitor/store/queries.py", "monitor.recovery.decisions", "monitor in layers"),
@@ -80,3 +84,36 @@ def test_a_forbidden_import_breaks_its_contract(
     assert f"{importer} -> {added}" in broken.stdout
     verdicts = [line for line in broken.stdout.splitlines() if line.startswith(contract)]
     assert verdicts and "BROKEN" in verdicts[0].split(), broken.stdout
+
+
+def runtime_dependencies() -> list[str]:
+    """The distributions pyproject.toml names for the service and the trainer extras (not dev)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [r for extra, reqs in project["optional-dependencies"].items() if extra != "dev" for r in reqs]
+    return sorted({re.split(r"[\s<>=!~\[;]", req, maxsplit=1)[0] for req in project["dependencies"] + extras})
+
+
+def import_names(distribution: str) -> set[str]:
+    def canonical(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    return {
+        module
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if canonical(distribution) in {canonical(owner) for owner in owners}
+    }
+
+
+@pytest.mark.parametrize(
+    ("contract", "allowed"),
+    [("policies is pure", {"numpy"}), ("the record protocol imports only the standard library", set())],
+)
+def test_the_purity_contracts_name_every_runtime_dependency(contract: str, allowed: set[str]) -> None:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    forbidden = set(next(c for c in contracts if c["name"].startswith(contract))["forbidden_modules"])
+    unnamed = {
+        distribution: sorted(names)
+        for distribution in runtime_dependencies()
+        if not (names := import_names(distribution)) & (forbidden | allowed)
+    }
+    assert not unnamed, f"add to {contract!r} in pyproject.toml: {unnamed}"
