@@ -2,15 +2,21 @@
 
 import json
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import sqlalchemy as sa
 
 from monitor.config import ServiceConfig
+from monitor.ingest.batches import ingest_batch
 from monitor.ingest.schemas import BatchIn
+from monitor.judge.engine import EngineConfig, PolicyEngine
+from monitor.judge.summaries import fold_new_steps
 from monitor.service import Service
 from monitor.store import migrate, models, queries
 from monitor.store.db import create_store_engine, resolve_url
+from policies.peers import RankWindow
+from policies.types import Finding, Severity
 
 INCARNATION = str(uuid.uuid4())
 
@@ -249,3 +255,60 @@ def test_a_new_incarnations_windows_wait_for_its_world_before_its_run_start_arri
         (2, 2, 0),
         (3, 2, 0),
     ]
+
+
+@dataclass(frozen=True)
+class WindowCounter:
+    """A per-rank policy registered from a test: it counts windows in its state and finds
+    rank 0 slow at the third, so its finding takes the device evidence path too."""
+
+    config: None = None
+    name: str = "window_counter"
+    late: bool = False
+    device_evidence: bool = True
+
+    def start(self) -> int:
+        return 0
+
+    def judge(self, state: int, observed: RankWindow) -> tuple[int, list[Finding]]:
+        found = []
+        if state + 1 == 3:
+            found.append(
+                Finding(
+                    step=observed.step,
+                    kind="straggler",
+                    severity=Severity.WARNING,
+                    signal="forward_s",
+                    value=2.0,
+                    threshold=1.09,
+                    message="rank 0 counted slow",
+                    incarnation=observed.incarnation,
+                    rank=0,
+                )
+            )
+        return state + 1, found
+
+
+def test_the_engine_runs_the_rank_policies_registered_with_it(tmp_path: Path) -> None:
+    """A new per-rank policy is its module and a place in the list the engine is given: the
+    engine keeps its state by name and records its findings, evidence added where it asks."""
+    service, run_id = make_service(tmp_path / "s.db")
+    records = [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}]
+    records += steps(range(1, 5), (0, 1))
+    with service.engine.begin() as connection:
+        stored = ingest_batch(connection, run_id, BatchIn.model_validate({"records": records}).records, 1.0)
+        fold_new_steps(connection, run_id, stored.new_rows["step"])
+    engine = PolicyEngine(service.engine, EngineConfig(), Clock(), rank_policies=[WindowCounter()])
+    engine.add_device_evidence = lambda _run, f: replace(f, evidence={"added": True})
+    touched = engine.judge(run_id)
+    assert engine.policy_state(run_id, "window_counter") == 4
+    assert engine.policy_state(run_id, "stragglers") is None  # not registered: not run
+    with service.engine.connect() as connection:
+        (finding,) = queries.list_findings(connection, run_id)
+    assert (finding["kind"], finding["step"], finding["rank"], finding["evidence"]) == (
+        "straggler",
+        3,
+        0,
+        {"added": True},
+    )
+    assert len(touched) == 1
