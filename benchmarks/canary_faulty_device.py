@@ -60,13 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from canary_sensitivity import flip_bit
 
 from collectors.canary import CanaryConfig, CanaryFaults, describe_stack, run_canary, stack_key
-from collectors.wire import encode_batch, to_wire
+from collectors.wire import encode_batch
 from monitor.api.routes import validate_batch
 from monitor.config import ServiceConfig
 from monitor.recovery.decisions import list_proposals
 from monitor.service import Service
 from monitor.store import migrate, models, queries
 from monitor.store.db import create_store_engine, resolve_url
+from policies.protocol import to_wire
 
 WORLD = 4
 CPU = torch.device("cpu")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from policies import protocol
+
 logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
@@ -29,6 +31,7 @@ Sink = Callable[[Record], None]
 Clock = Callable[[], float]
 
 DEFAULT_ROOT = Path("/sys/class/infiniband")
+STATE_LENGTH = protocol.LINK_SAMPLE.max_length("state")  # what the service takes of a port state
 
 # Widths of the PortCounters fields (IBA spec 16.1.3.5), as the kernel reads them into
 # counters/ (PORT_PMA_ATTR in drivers/infiniband/core/sysfs.c). A counter not listed here, and
@@ -127,7 +130,7 @@ def _read_state(path: Path) -> str | None:
     except OSError:
         return None
     state = text.split(":", 1)[-1].strip()
-    return state[:32] or None  # the wire format allows 32 characters
+    return state[:STATE_LENGTH] or None
 
 
 def find_ports(root: Path) -> list[tuple[str, int, Path]]:
@@ -219,20 +222,17 @@ class LinkReader:
     def _sample_port(self, device: str, port: int, path: Path) -> Record:
         now = self._clock()
         reading = read_port(path)
-        record: Record = {
-            "kind": "link_sample",
-            "node": self._node,
-            "device": device,
-            "port": port,
-            "seq": self._next_seq((device, port), now),
-            "time": float(now),
-            "counters": reading.counters,
-        }
-        if reading.state is not None:
-            record["state"] = reading.state
-        if reading.saturated:
-            record["saturated"] = reading.saturated
-        return record
+        return protocol.build(
+            protocol.LINK_SAMPLE,
+            node=self._node,
+            device=device,
+            port=port,
+            seq=self._next_seq((device, port), now),
+            time=float(now),
+            counters=reading.counters,
+            state=reading.state,
+            saturated=reading.saturated or None,
+        )
 
     def _next_seq(self, key: tuple[str, int], now: float) -> int:
         # The store keys samples by (run, node, device, port, seq) with no incarnation, so a

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies import protocol
+
 logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
@@ -647,28 +649,24 @@ class NvmlReader:
     def _sample_device(self, device: VisibleDevice) -> Record:
         assert self._calls is not None
         now = self._clock()
-        record: Record = {
-            "kind": "device_sample",
-            "node": self._node,
-            "device_uuid": device.uuid,
-            "seq": self._next_seq(device.uuid, now),
-            "time": float(now),
-        }
-        if self._rank is not None and self._owns_rank():
-            record["rank"] = self._rank
         errors: dict[str, str] = {}
         scalars, counters = read_device(self._calls, device, errors)
-        record.update(scalars)
         xids, dropped = self._xids.drain(device.uuid)
         if dropped:
             counters["xids_dropped"] = dropped
         if errors:
             counters["read_errors"] = errors
-        if counters:
-            record["counters"] = counters
-        if xids:
-            record["xids"] = xids
-        return record
+        return protocol.build(
+            protocol.DEVICE_SAMPLE,
+            node=self._node,
+            device_uuid=device.uuid,
+            seq=self._next_seq(device.uuid, now),
+            time=float(now),
+            rank=self._rank if self._rank is not None and self._owns_rank() else None,
+            **scalars,
+            counters=counters or None,
+            xids=xids or None,
+        )
 
     def _next_seq(self, uuid: str, now: float) -> int:
         # The store keys samples by (run, node, device, seq) with no incarnation, so a restarted

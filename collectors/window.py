@@ -15,7 +15,6 @@ over: they are read within a flush interval of the window's end.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from policies.protocol import float_to_wire
 
 if TYPE_CHECKING:
     from collectors.phases import PhaseClock
-
-log = logging.getLogger("runhealth.collectors")
 
 Value = Any  # a tensor (device or CPU) or a host number
 Microbatch = tuple[Any, Any, Any]  # (loss, labels, tokens) as the trainer gave them
@@ -412,8 +409,8 @@ class PendingWindow(Draft):
         """The step record (``policies.protocol.STEP``), written here field by field rather
         than through ``protocol.build``: the sender renders every window of the run, and the
         generic checks cost about 60 us a record (25 fields, 32 sample ids), twice the whole
-        render. The identity is checked at attach (``RenderContext``); the tests validate
-        rendered records against the protocol."""
+        render. The identity is checked once, at attach (``records.step_identity``); the tests
+        validate rendered records against the protocol."""
         window = self.values
         step, skipped = self._verdict()
         record: Record = {
@@ -493,15 +490,6 @@ class RenderContext:
     max_sample_ids: int
     phases: PhaseClock
     device_skips: DeviceSkips = field(default_factory=DeviceSkips)
-
-    def __post_init__(self) -> None:
-        # Every step record carries ``identity`` as is: checked here, once per incarnation, so
-        # no window pays for it. A value the service would refuse (a node name over its bound)
-        # is said once, loudly; training goes on, its records dead-lettered with the reason.
-        try:
-            protocol.check_fields(protocol.STEP, self.identity)
-        except protocol.ProtocolError as exc:
-            log.error("runhealth: the service will refuse this rank's step records: %s", exc)
 
 
 def reported_loss(values: dict[str, float | None], window: WindowValues) -> float | None:

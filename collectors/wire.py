@@ -13,16 +13,11 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from policies.protocol import to_wire
-
-# ``to_wire`` is re-exported for the callers that still import it from here (collectors.hook).
-__all__ = ["Draft", "Record", "decode_line", "encode_batch", "encode_line", "to_wire"]
-
 Record = dict[str, Any]
 
 
 def _stdlib_dumps(document: Any) -> bytes:
-    # allow_nan=False: a nonfinite float that escaped ``to_wire`` fails loudly, not as NaN.
+    # allow_nan=False: a nonfinite float that escaped ``protocol.to_wire`` fails loudly, not as NaN.
     return json.dumps(document, allow_nan=False, separators=(",", ":")).encode()
 
 
