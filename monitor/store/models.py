@@ -8,7 +8,9 @@ comparison the engine makes is arithmetic on them. Nonfinite floats are data; se
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Set
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,6 +18,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from policies import protocol
 from policies.directive_lifecycle import AckStatus, DirectiveStatus
 from policies.proposal_lifecycle import ProposalStatus
 
@@ -74,6 +77,40 @@ def status_check(statuses: type[StrEnum]) -> sa.CheckConstraint:
     return sa.CheckConstraint(f"status IN ({allowed})", name="status")
 
 
+def record_columns(
+    kind: protocol.Structure,
+    *,
+    wide: Set[str] = frozenset(),
+    lengths: Mapping[str, int] = MappingProxyType({}),
+) -> list[sa.Column[Any]]:
+    """A column per field of a record kind, named as the field, nullable where the field is
+    optional. ``wide``: counts that outgrow 32 bits (tokens, examples consumed). ``lengths``:
+    text columns narrower than the protocol's bound (kept as the first migration made them)."""
+    return [
+        sa.Column(
+            field.name,
+            _column_type(field, field.name in wide, lengths.get(field.name)),
+            nullable=not field.required,
+        )
+        for field in kind.fields
+    ]
+
+
+def _column_type(field: protocol.Field, wide: bool, length: int | None) -> Any:
+    match field.type:
+        case protocol.Integer():
+            return sa.BigInteger() if wide else sa.Integer()
+        case protocol.Real():
+            return Float64()
+        case protocol.Flag():
+            return sa.Boolean()
+        case protocol.Text(max_length=longest):
+            return sa.String(length or longest)
+        case protocol.Choice(values=values):
+            return sa.String(length or max(len(value) for value in values))
+    return sa.JSON()  # documents, lists, maps and nested structures
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {float: Float64(), dict[str, Any]: sa.JSON(), list[Any]: sa.JSON()}
@@ -109,40 +146,22 @@ class Incarnation(Base):
 
 
 class StepRecord(Base):
-    """One rank's accumulation window. Key: (run, incarnation, rank, attempt)."""
+    """One rank's accumulation window. Key: (run, incarnation, rank, attempt).
 
-    __tablename__ = "step_records"
-    __table_args__ = (sa.UniqueConstraint("run_id", "incarnation", "rank", "attempt"),)
+    A column per field of ``policies.protocol.STEP``, made from the protocol (``record_columns``):
+    a new step field is its protocol field plus the migration that adds its column
+    (``tests/test_migrations.py`` fails until the two agree)."""
 
-    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
-    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
-    incarnation: Mapped[str] = mapped_column(sa.String(64))
-    rank: Mapped[int]
-    attempt: Mapped[int]
-    step: Mapped[int]
-    consumed: Mapped[int | None] = mapped_column(sa.BigInteger)
-    time: Mapped[float]
-    node: Mapped[str | None] = mapped_column(sa.String(200))
-    device_uuid: Mapped[str | None] = mapped_column(sa.String(100))
-    dp_rank: Mapped[int | None]
-    tp_rank: Mapped[int | None]
-    pp_rank: Mapped[int | None]
-    cp_rank: Mapped[int | None]
-    microbatches: Mapped[int | None]
-    sample_ids: Mapped[list[Any] | None]
-    tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
-    loss_sum: Mapped[float | None]
-    reported_loss: Mapped[float | None]
-    grad_norm: Mapped[float | None]
-    lr: Mapped[float | None]
-    loss_scale: Mapped[float | None]
-    skipped: Mapped[bool | None]
-    data_wait_s: Mapped[float | None]
-    forward_s: Mapped[float | None]
-    backward_s: Mapped[float | None]
-    optimizer_s: Mapped[float | None]
-    received_at: Mapped[float]
-    content_hash: Mapped[str] = mapped_column(sa.String(32))
+    __table__ = sa.Table(
+        "step_records",
+        Base.metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+        sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+        *record_columns(protocol.STEP, wide={"consumed", "tokens"}, lengths={"device_uuid": 100}),
+        sa.Column("received_at", Float64(), nullable=False),
+        sa.Column("content_hash", sa.String(32), nullable=False),
+        sa.UniqueConstraint("run_id", *protocol.STEP.key),
+    )
 
 
 class StepSummary(Base):
