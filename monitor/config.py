@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from monitor.errors import ConfigError as ConfigError  # where callers have always found it
 from monitor.judge.canaries import CanaryServiceConfig
 from monitor.judge.engine import EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.decisions import DecisionConfig
 from policies.devices import DevicesConfig
-
-
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the variable or file key that set it."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from monitor.config import ConfigError
+from monitor.errors import ConfigError
 from monitor.judge.backtest import BacktestError
 from monitor.recovery.replay_jobs import ReplayError
 from monitor.store import queries

@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, Span, SpanContext, TraceFlags
 
-from monitor.config import ConfigError
+from monitor.errors import ConfigError
 from policies.flags import FlagError, parse_flag
 
 ExporterFactory = Callable[[Mapping[str, str]], SpanExporter]
