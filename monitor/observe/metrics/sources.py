@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.store import models
+from policies.proposal_lifecycle import AWAITING_DECISION
 
 PROPOSAL = models.table_of(models.Proposal)
 RESULT = models.table_of(models.CanaryResult)
@@ -16,7 +17,7 @@ RESULT = models.table_of(models.CanaryResult)
 VERDICTS = {"ok": "match", "mismatch": "mismatch", "rerun": "rerun"}
 # A proposal waits for a person while pending, and once escalated (past the retry bound, no
 # automatic proposal: an operator decides).
-WAITING = ("pending", "escalated")
+WAITING = tuple(status.value for status in AWAITING_DECISION)
 
 
 @dataclass(frozen=True)
