@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import IncidentRecorder
-from monitor.judge.readings import rank_window
+from monitor.judge.readings import RANK_FIELDS, rank_window
 from monitor.judge.resumes import judge_resumes
 from monitor.store import hook_settings, models, queries
 from policies.hangs import HangConfig
@@ -40,12 +40,6 @@ from policies.types import Finding, StepPoint
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
-
-RANK_COLUMNS = (
-    "incarnation", "rank", "attempt", "step", "node", "device_uuid", "tp_rank", "pp_rank", "cp_rank",
-    "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
-    "data_wait_s", "forward_s", "backward_s", "optimizer_s",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -283,7 +277,7 @@ class PolicyEngine:
     def _window_rows(
         self, connection: Connection, run_id: int, incarnation: str, attempt: int
     ) -> list[dict[str, Any]]:
-        query = sa.select(*[STEP.c[name] for name in RANK_COLUMNS]).where(
+        query = sa.select(*[STEP.c[name] for name in RANK_FIELDS]).where(
             STEP.c.run_id == run_id, STEP.c.incarnation == incarnation, STEP.c.attempt == attempt
         )
         return [dict(row) for row in connection.execute(query).mappings()]

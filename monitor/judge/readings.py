@@ -20,6 +20,13 @@ from policies.peers import PHASES, Floats, RankWindow
 
 Record = Mapping[str, Any]
 
+# The step fields the engine selects for a window's per-rank policies (``rank_window``).
+RANK_FIELDS = (
+    "incarnation", "rank", "attempt", "step", "node", "device_uuid", "tp_rank", "pp_rank", "cp_rank",
+    "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
+    "data_wait_s", "forward_s", "backward_s", "optimizer_s",
+)  # fmt: skip
+
 # Keys of a device sample's counters that are reader bookkeeping, not device counters.
 NOT_COUNTERS = ("read_errors", "xids_dropped")
 
