@@ -1,9 +1,10 @@
 """Every record kind a hook sends, defined once: its fields in wire order, types and limits.
 
 The ingest API's pydantic models are generated from these (``monitor.ingest.schemas``), the
-store's columns are checked against them (``tests/test_store_protocol.py``), and the hook
-builds its records through them (``policies.protocol.build``). A new field is added here,
-plus its store column and migration.
+store's step columns are made from ``STEP`` (``monitor.store.models.record_columns``) and every
+kind's columns are checked against them (``tests/test_store_protocol.py``), and the hook builds
+its records through them (``policies.protocol.build``). A new step field is added here, plus
+its migration (and the code that fills it in); a field of another kind also needs its column.
 
 The limits are the service's: a record over one is refused whole (422, naming the field).
 Strings are bounded so a runaway value cannot fill the store; the bounds are generous for
