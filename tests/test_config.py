@@ -388,3 +388,26 @@ def test_show_prints_a_table_and_a_bad_value_exits_2(tmp_path: Path) -> None:
     bad = run_show(tmp_path, RUNHEALTH_POLICIES__SPIKE__Z="high")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "runhealth: error: RUNHEALTH_POLICIES__SPIKE__Z must be a number, got 'high'"
+
+
+def test_every_watcher_of_the_service_gets_its_configured_section(tmp_path: Path) -> None:
+    """Wiring, not judgement: each component holds the section the settings built."""
+    environ = {
+        "RUNHEALTH_DB": str(tmp_path / "wired.db"),
+        "RUNHEALTH_POLICIES__RANK_LOSS__Z": "7",
+        "RUNHEALTH_POLICIES__GROUPING__MERGE_GAP": "9",
+        "RUNHEALTH_POLICIES__HANGS__STEP_TIME_FACTOR": "4",
+        "RUNHEALTH_POLICIES__DEVICES__PEERS__Z": "6",
+        "RUNHEALTH_POLICIES__CANARY__QUORUM": "4",
+        "RUNHEALTH_POLICIES__RETRIES__PER_INCIDENT": "1",
+    }
+    service = prepare_store(service_config(environ), environ)
+    config = service.config
+    assert service.policies._config is config.engine and config.engine.rank_loss.z == 7.0
+    assert service.policies.incidents._grouping is config.engine.series.grouping
+    assert config.engine.series.grouping.merge_gap == 9
+    assert service.hangs._config is config.engine.hangs and config.engine.hangs.step_time_factor == 4.0
+    assert service.fleet._config is config.devices and config.devices.peers.z == 6.0
+    assert service.canaries._config is config.canaries and config.canaries.comparison.quorum == 4
+    assert service.decisions._config is config.decisions and config.decisions.retries.per_incident == 1
+    service.engine.dispose()
