@@ -20,7 +20,7 @@ from monitor.config import ConfigError, ServiceConfig
 from monitor.ingest.schemas import BatchIn
 from monitor.observe.tracing import Tracing
 from monitor.settings import read_settings, service_config
-from monitor.settings.layout import NOT_SETTINGS, leaves
+from monitor.settings.layout import NOT_SETTINGS, leaves, value_at
 from monitor.store import queries
 from policies.flags import FALSE_WORDS, TRUE_WORDS, FlagError, parse_flag
 from policies.proposals import ContinuationPolicy
@@ -50,6 +50,16 @@ def test_every_field_of_every_config_is_a_setting() -> None:
     assert len(expected) > 100
     assert targets == expected
     assert len({leaf.variable for leaf in leaves()}) == len(targets)
+
+
+def test_every_policy_config_is_under_policies() -> None:
+    """A config defined in policies/ is a detection or recovery rule's: its settings are found
+    under ``policies``, wherever the service nests it (a new one needs a line in SECTIONS)."""
+    config = ServiceConfig()
+    for leaf in leaves():
+        owner = type(value_at(config, leaf.target[:-1]))
+        if owner.__module__.startswith("policies."):
+            assert leaf.name[0] == "policies", (leaf.dotted, owner.__name__)
 
 
 def test_a_threshold_from_the_environment() -> None:

@@ -41,6 +41,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("policies", "continuity"): ("engine", "series", "continuity"),
     ("policies", "grouping"): ("engine", "series", "grouping"),
     ("policies", "rank_loss"): ("engine", "rank_loss"),
+    ("policies", "rank_nonfinite"): ("engine", "rank_nonfinite"),
     ("policies", "stragglers"): ("engine", "stragglers"),
     ("policies", "hangs"): ("engine", "hangs"),
     ("policies", "readiness"): ("engine", "readiness"),
