@@ -169,8 +169,9 @@ class PolicyEngine:
         """Judge every ready window of one run; returns the incidents opened or updated.
 
         With ``now`` (the service's clock, from the periodic pass), a window whose newest
-        record is two watermarks old is ready too: a run that paused, waits for a decision or
-        ended sends nothing newer, and its last windows must not wait for ever.
+        record is ``readiness.idle_watermarks`` (two) watermarks old is ready too: a run that
+        paused, waits for a decision or ended sends nothing newer, and its last windows must not
+        wait for ever.
         """
         touched: list[int] = []
         with self._lock:
