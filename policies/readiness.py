@@ -109,33 +109,36 @@ class WindowReadiness:
     """Expected ranks that have not reported (judged without them when given up on)."""
 
 
-def readiness(
-    window: PendingWindow,
-    newest: IncarnationWindows,
-    seen_now: float,
-    now: float | None,
-    config: ReadinessConfig,
-) -> Readiness:
-    """One window of the newest incarnation, on its own (``ready_windows`` keeps the order).
+@dataclass(frozen=True)
+class _Pass:
+    """What one pass over the newest incarnation's windows measures each window against."""
 
-    ``seen_now``: the service's clock at this pass. ``now``: the same clock on the periodic
-    pass, when a run that went quiet is judged too; None when records just arrived."""
-    if window.ranks_reported >= newest.expected_ranks:
+    group: IncarnationWindows
+    newest_attempt: int
+    newest_time: float
+    seen_now: float
+    """The service's clock at this pass."""
+    now: float | None
+    """The same clock on the periodic pass, when a run that went quiet is judged too; None
+    when records just arrived."""
+
+
+def _readiness(window: PendingWindow, this: _Pass, config: ReadinessConfig) -> Readiness:
+    """One window of the newest incarnation, on its own (``ready_windows`` keeps the order)."""
+    if window.ranks_reported >= this.group.expected_ranks:
         return Readiness.COMPLETE
-    wait_s = newest.watermark_s
+    wait_s = this.group.watermark_s
     # A missing rank is given up on only once the window has also waited here that long: after
     # an outage the ranks' spools are replayed in bursts, one rank's far ahead of the others',
     # and record times alone would judge the windows between without the ranks still replaying
     # (a bad batch on one of them went unseen).
-    if seen_now - window.first_seen < wait_s:
+    if this.seen_now - window.first_seen < wait_s:
         return Readiness.WAIT
-    newest_attempt = max(w.attempt for w in newest.windows)
-    newest_time = max(w.last_time for w in newest.windows)
     overtaken = (
-        window.attempt <= newest_attempt - config.watermark_attempts
-        and newest_time - window.last_time >= wait_s
+        window.attempt <= this.newest_attempt - config.watermark_attempts
+        and this.newest_time - window.last_time >= wait_s
     )
-    quiet = now is not None and now - window.last_time >= config.idle_watermarks * wait_s
+    quiet = this.now is not None and this.now - window.last_time >= config.idle_watermarks * wait_s
     return Readiness.GIVEN_UP if overtaken or quiet else Readiness.WAIT
 
 
@@ -161,8 +164,18 @@ def ready_windows(
         for group in older
         for w in sorted(group.windows, key=lambda w: w.attempt)
     ]
+    if not newest.windows:
+        return ready
+    # Measured once per pass: a backlog of thousands of windows is judged in one.
+    this = _Pass(
+        newest,
+        newest_attempt=max(w.attempt for w in newest.windows),
+        newest_time=max(w.last_time for w in newest.windows),
+        seen_now=seen_now,
+        now=now,
+    )
     for window in sorted(newest.windows, key=lambda w: w.attempt):
-        verdict = readiness(window, newest, seen_now, now, config)
+        verdict = _readiness(window, this, config)
         if verdict is Readiness.WAIT:
             break  # judge in order: a later window waits for this one
         ready.append(WindowReadiness(newest.incarnation, window.attempt, verdict, _missing(window, newest)))
