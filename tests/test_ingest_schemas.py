@@ -7,6 +7,7 @@ checked here without a new test; what is probed is the pydantic model's actual b
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -184,3 +185,14 @@ def test_what_the_hook_builds_the_service_accepts() -> None:
         built = protocol.build(kind, **fields)
         (record,) = BatchIn.model_validate({"records": [built]}).records
         assert record.kind == kind.kind
+
+
+def test_bare_nonfinite_tokens_read_as_the_names_do() -> None:
+    # Python's json module writes NaN and Infinity bare; the protocol's writers use names.
+    values = {"loss_sum": math.nan, "grad_norm": math.inf, "lr": -math.inf}
+    bare = json.dumps({"records": [{**RECORDS["step"], **values}]})
+    named = json.dumps({"records": [{**RECORDS["step"], **protocol.to_wire(values)}]})
+    assert "NaN" in bare and '"NaN"' not in bare and '"NaN"' in named
+    for raw in (bare, named):
+        (record,) = BatchIn.model_validate_json(raw).records
+        assert math.isnan(record.loss_sum) and (record.grad_norm, record.lr) == (math.inf, -math.inf)
