@@ -6,8 +6,17 @@ import math
 
 import numpy as np
 
-from monitor.judge.readings import device_reading, link_reading, rank_window, resume_facts, xid_event
+from monitor.judge.readings import (
+    RANK_FIELDS,
+    device_reading,
+    link_reading,
+    rank_window,
+    resume_facts,
+    xid_event,
+)
+from policies import protocol
 from policies.devices import XidEvent
+from policies.peers import PHASES
 
 
 def step_row(rank: int, **fields: object) -> dict[str, object]:
@@ -89,3 +98,26 @@ def test_resume_facts_read_the_hooks_nested_form_before_flat_keys() -> None:
         0,
         None,
     )
+
+
+def test_the_engines_selected_columns_are_all_a_window_reads() -> None:
+    full = [
+        step_row(
+            rank, tp_rank=rank % 2, loss_sum=1.0 + rank, tokens=10, forward_s=0.1 * rank, node=f"n{rank}"
+        )
+        for rank in range(4)
+    ]
+    full = [
+        {**row, **{f"{p}_s": 0.5 for p in PHASES}, "device_uuid": "GPU", "sample_ids": [1]} for row in full
+    ]
+    selected = [{name: row.get(name) for name in RANK_FIELDS} for row in full]
+    for mine, theirs in zip(
+        vars(rank_window(selected)).values(), vars(rank_window(full)).values(), strict=True
+    ):
+        if isinstance(mine, dict):
+            assert all(np.array_equal(mine[k], theirs[k], equal_nan=True) for k in mine)
+        elif isinstance(mine, np.ndarray):
+            assert np.array_equal(mine, theirs, equal_nan=True)
+        else:
+            assert mine == theirs
+    assert set(RANK_FIELDS) <= protocol.STEP.names
