@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from monitor.errors import ConfigError as ConfigError  # where callers have always found it
-from monitor.judge.canaries import CanaryServiceConfig
-from monitor.judge.engine import EngineConfig
+from monitor.judge.config import CanaryServiceConfig, EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
-from monitor.recovery.decisions import DecisionConfig
+from monitor.recovery.config import DecisionConfig
 from policies.devices import DevicesConfig
 
 

@@ -13,8 +13,8 @@ from sqlalchemy.engine import Engine
 
 from monitor.api.server import BackgroundServer
 from monitor.config import ServiceConfig
-from monitor.recovery.decisions import DecisionConfig, list_proposals
-from monitor.recovery.quarantine import ActionConfig
+from monitor.recovery.config import ActionConfig, DecisionConfig
+from monitor.recovery.decisions import list_proposals
 from monitor.service import Service
 from monitor.store import audit, models, queries
 from monitor.store.operators import add_operator, revoke_operator

@@ -10,7 +10,8 @@ import sqlalchemy as sa
 from monitor.config import ServiceConfig
 from monitor.ingest.batches import ingest_batch
 from monitor.ingest.schemas import BatchIn
-from monitor.judge.engine import EngineConfig, PolicyEngine
+from monitor.judge.config import EngineConfig
+from monitor.judge.engine import PolicyEngine
 from monitor.judge.summaries import fold_new_steps
 from monitor.service import Service
 from monitor.store import migrate, models, queries

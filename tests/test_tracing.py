@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from sqlalchemy.engine import Engine
 
 from monitor.config import ConfigError, ServiceConfig
-from monitor.judge.engine import EngineConfig
+from monitor.judge.config import EngineConfig
 from monitor.observe.stages import incident_ref
 from monitor.observe.tracing import (
     ACKNOWLEDGEMENT,

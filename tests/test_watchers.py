@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from monitor.config import ServiceConfig
-from monitor.judge.engine import EngineConfig
+from monitor.judge.config import EngineConfig
 from monitor.recovery.directives import pending_for
 from monitor.service import Service
 from monitor.store import queries

@@ -15,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from monitor.judge.engine import point_from_summary
+from monitor.judge.readings import point_from_summary
 from monitor.judge.summaries import empty_summary, fold
 from policies.backtest import BacktestResult, backtest_series
 from policies.series import SeriesConfig

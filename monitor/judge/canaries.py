@@ -11,21 +11,20 @@ import statistics
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from monitor.judge.config import CanaryServiceConfig
 from monitor.judge.incidents import IncidentRecorder
 from monitor.recovery import directives
 from monitor.store import models
 from policies.canary import (
-    CanaryConfig,
     CanaryResult,
     CanaryRound,
     KernelResult,
-    ScheduleConfig,
     canary_interval_s,
     spent_fraction,
 )
@@ -37,17 +36,6 @@ SCHEDULE = models.table_of(models.CanarySchedule)
 INCARNATION = models.table_of(models.Incarnation)
 SUMMARY = models.table_of(models.StepSummary)
 DIRECTIVE = models.table_of(models.Directive)
-
-
-@dataclass(frozen=True)
-class CanaryServiceConfig:
-    """``round_wait_s`` 120: a round missing ranks is judged with those it has after two
-    minutes (a rank that died mid-round must not stall the verdict on the others)."""
-
-    comparison: CanaryConfig = field(default_factory=CanaryConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    round_wait_s: float = 120.0
-    poll_interval_s: float = 2.0
 
 
 def _kernels(raw: dict[str, Any] | None) -> dict[str, KernelResult]:

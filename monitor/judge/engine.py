@@ -18,86 +18,24 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from monitor.judge.config import EngineConfig
 from monitor.judge.incidents import IncidentRecorder
-from monitor.judge.readings import RANK_FIELDS, rank_window
+from monitor.judge.readings import RANK_FIELDS, point_from_summary, rank_window
 from monitor.judge.resumes import judge_resumes
 from monitor.store import hook_settings, models, queries
-from policies.hangs import HangConfig
-from policies.rank_loss import RankLossConfig
-from policies.rank_nonfinite import RankNonfiniteConfig
 from policies.readiness import (
     IncarnationWindows,
     PendingWindow,
-    ReadinessConfig,
     expected_ranks,
     ready_windows,
 )
 from policies.registry import RankPolicy, rank_policies
-from policies.series import SeriesConfig, SeriesState, observe_step
-from policies.stragglers import StragglerConfig
-from policies.types import Finding, StepPoint
+from policies.series import SeriesState, observe_step
+from policies.types import Finding
 
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine decides a window is ready to judge (``readiness``: the watermarks, see
-    ``policies.readiness.ReadinessConfig``), and every policy's config.
-
-    ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
-    does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
-    ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
-    work, so a backlog never holds SQLite's write lock near its 10 s busy timeout).
-    """
-
-    series: SeriesConfig = field(default_factory=SeriesConfig)
-    rank_nonfinite: RankNonfiniteConfig = field(default_factory=RankNonfiniteConfig)
-    rank_loss: RankLossConfig = field(default_factory=RankLossConfig)
-    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
-    hangs: HangConfig = field(default_factory=HangConfig)
-    readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
-    cached_windows: int = 1024
-    judge_chunk: int = 256
-
-    def __post_init__(self) -> None:
-        if self.cached_windows < 1 or self.judge_chunk < 1:
-            raise ValueError("EngineConfig: cached_windows and judge_chunk must be >= 1")
-
-
-def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
-    tokens = summary["tokens"]
-    loss_sum = summary["loss_sum"]
-    reported = (
-        summary["reported_loss_sum"] / summary["reported_loss_count"]
-        if summary["reported_loss_count"]
-        else None
-    )
-    if tokens and loss_sum is not None:
-        loss: float | None = loss_sum / tokens  # the token-weighted mean over all ranks
-    else:
-        loss = reported
-    rank_means = summary.get("rank_mean_count") or 0
-    return StepPoint(
-        step=summary["step"],
-        loss=loss,
-        grad_norm=summary["grad_norm"],
-        lr=summary["lr"],
-        tokens=tokens,
-        loss_scale=summary["loss_scale"],
-        skipped=summary["skipped_ranks"] > 0,
-        incarnation=summary["incarnation"],
-        attempt=summary["attempt"],
-        restart=restart,
-        consumed=summary["consumed"],
-        ranks=summary["ranks_reported"],
-        reported_loss=reported,
-        naive_loss=summary["rank_mean_sum"] / rank_means if rank_means else None,
-        min_rank_tokens=summary.get("min_rank_tokens"),
-        max_rank_tokens=summary.get("max_rank_tokens"),
-    )
 
 
 @dataclass

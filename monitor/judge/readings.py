@@ -17,6 +17,7 @@ import numpy as np
 from policies.continuity import ResumeFacts
 from policies.devices import DeviceReading, LinkReading, XidEvent
 from policies.peers import PHASES, Floats, RankWindow
+from policies.types import StepPoint
 
 Record = Mapping[str, Any]
 
@@ -181,3 +182,36 @@ def _head(value: Any) -> Any:
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
+
+
+def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
+    tokens = summary["tokens"]
+    loss_sum = summary["loss_sum"]
+    reported = (
+        summary["reported_loss_sum"] / summary["reported_loss_count"]
+        if summary["reported_loss_count"]
+        else None
+    )
+    if tokens and loss_sum is not None:
+        loss: float | None = loss_sum / tokens  # the token-weighted mean over all ranks
+    else:
+        loss = reported
+    rank_means = summary.get("rank_mean_count") or 0
+    return StepPoint(
+        step=summary["step"],
+        loss=loss,
+        grad_norm=summary["grad_norm"],
+        lr=summary["lr"],
+        tokens=tokens,
+        loss_scale=summary["loss_scale"],
+        skipped=summary["skipped_ranks"] > 0,
+        incarnation=summary["incarnation"],
+        attempt=summary["attempt"],
+        restart=restart,
+        consumed=summary["consumed"],
+        ranks=summary["ranks_reported"],
+        reported_loss=reported,
+        naive_loss=summary["rank_mean_sum"] / rank_means if rank_means else None,
+        min_rank_tokens=summary.get("min_rank_tokens"),
+        max_rank_tokens=summary.get("max_rank_tokens"),
+    )

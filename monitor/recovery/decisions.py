@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -19,8 +19,9 @@ from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import close_incident
 from monitor.recovery import checkpoints, directives
+from monitor.recovery.config import DecisionConfig
 from monitor.recovery.evidence import incident_evidence
-from monitor.recovery.quarantine import ActionConfig, quarantine
+from monitor.recovery.quarantine import quarantine
 from monitor.store import audit, models, queries
 from monitor.store.queries import list_proposals, proposal_view  # the reads: callers still find them here
 from policies import directive_lifecycle, proposal_lifecycle
@@ -39,8 +40,8 @@ from policies.proposal_lifecycle import (
     RollbackFailed,
     Supersede,
 )
-from policies.proposals import IncidentFacts, Proposal, ProposalConfig, propose
-from policies.retries import RetryConfig, Rollback, may_roll_back
+from policies.proposals import IncidentFacts, Proposal, propose
+from policies.retries import Rollback, may_roll_back
 
 PROPOSAL = models.table_of(models.Proposal)
 INCIDENT = models.table_of(models.Incident)
@@ -56,22 +57,6 @@ AUDIT = models.table_of(models.AuditEntry)
 
 # How many windows' batch ids a skip proposal may name.
 MAX_SKIP_WINDOWS = 8
-
-
-@dataclass(frozen=True)
-class DecisionConfig:
-    """The workflow's settings.
-
-    ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default) unless
-    their run-start config says otherwise, so a directive's step must be at least that far
-    ahead; ``margin`` 2 doubles it for the sender's own delay.
-    """
-
-    proposals: ProposalConfig = field(default_factory=ProposalConfig)
-    retries: RetryConfig = field(default_factory=RetryConfig)
-    actions: ActionConfig = field(default_factory=ActionConfig)
-    poll_interval_s: float = 2.0
-    margin: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -7,38 +7,15 @@ from __future__ import annotations
 import shlex
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from sqlalchemy.engine import Connection
 
+from monitor.recovery.config import ActionConfig
 from monitor.store import models
 
 ACTION = models.table_of(models.Action)
-
-
-@dataclass(frozen=True)
-class ActionConfig:
-    """How a quarantine is carried out.
-
-    ``command``: a template with ``{node}``, ``{device}``, ``{run}`` and ``{reason}``, e.g.
-    ``scontrol update nodename={node} state=drain reason="{reason}"`` or
-    ``kubectl cordon {node}``. ``webhook``: a URL that receives the same fields as JSON.
-    ``live`` False (the default) records what would be done and does nothing: taking hardware
-    out of a cluster is for an operator to switch on deliberately.
-    """
-
-    command: str | None = None
-    webhook: str | None = None
-    live: bool = False
-    timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.command and self.webhook:
-            raise ValueError("ActionConfig: configure a command or a webhook, not both")
-        if self.timeout_s <= 0:
-            raise ValueError("ActionConfig.timeout_s must be positive")
 
 
 def quarantine(

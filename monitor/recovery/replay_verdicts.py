@@ -9,7 +9,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from monitor.recovery import checkpoints
-from monitor.recovery.decisions import DecisionConfig, Decisions
+from monitor.recovery.config import DecisionConfig
+from monitor.recovery.decisions import Decisions
 from monitor.recovery.replay_jobs import ReplayError, record_replay, registered_command, run_replay
 from monitor.store import audit, models
 from policies.checkpoints import rewind_target

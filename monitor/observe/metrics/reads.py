@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from monitor.judge.engine import point_from_summary
+from monitor.judge.readings import point_from_summary
 from monitor.recovery import checkpoints
 from monitor.store import models
 from policies.checkpoints import CheckpointFacts
