@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from collectors.agent import DirectiveAgent
-    from collectors.checkpoint_events import CheckpointEvents
+    from collectors.checkpoint_events import CheckpointEvents, PendingResume
 
 log = logging.getLogger("runhealth.collectors")
 
@@ -66,8 +66,11 @@ FOLD_MICROBATCHES = 64
 class WindowAccounting:
     """One per rank, made with the hook (cheap, no side effects); ``attached`` once the rank
     knows who it is. ``attach``: the hook's ``start``, called on first use. ``agent`` and
-    ``events`` (set by the hook) are asked at each window's start whether a boundary or a
-    pending resume event needs them."""
+    ``events`` (set by the hook): a window's start hands over to them when a directive
+    boundary is due (``next_boundary``) or a resume event waits for the window
+    (``pending_resume``). Those two are kept here, written by the agent and the events, so
+    that a window's start reads no other object's state: after a training step each object
+    touched costs cache misses."""
 
     agent: DirectiveAgent
     events: CheckpointEvents
@@ -96,6 +99,10 @@ class WindowAccounting:
         self.attempt = self.step = 0
         self.consumed: int | None = 0
         self._totals: Totals | None = None  # made only when a window has device parts or folds
+        # The attempt at which ``window_start`` next calls ``agent.boundary``: every
+        # ``agree_every`` attempts, or at once (0) when a local directive is armed.
+        self.next_boundary = 0
+        self.pending_resume: PendingResume | None = None  # ``CheckpointEvents.resumed``
         self._lock = threading.Lock()  # the ring's: the sender thread drains it too
         self._logged: set[str] = set()
 
@@ -157,9 +164,8 @@ class WindowAccounting:
                 self._ready_for_window()
                 if not self.active:
                     return
-            agent = self.agent
-            if self.attempt >= agent.next_boundary:
-                agent.boundary()  # directives; its agreement is a gloo all-reduce, no device
+            if self.attempt >= self.next_boundary:
+                self.agent.boundary()  # directives; its agreement is a gloo all-reduce, no device
             now = time.perf_counter()
             if data_wait_s is None and self._last_end is not None:
                 data_wait_s = now - self._last_end
@@ -177,7 +183,7 @@ class WindowAccounting:
             phases = self.phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
             phases.current = mark = (FORWARD, now, phases.stamp())
             phases.marks.append(mark)
-            if self.events.resume is not None:
+            if self.pending_resume is not None:
                 self.events.flush_resume()  # it waited for this window's first sample ids
         except Exception:
             self.faults.record("window_start")
@@ -399,7 +405,7 @@ class WindowAccounting:
     def restart(self, identity_fields: dict[str, Any]) -> None:
         """A restore inside this process: attempts count again from 0, records carry the new
         incarnation (in ``identity_fields``), and device-only skips count afresh."""
-        self.attempt = 0
+        self.attempt = self.next_boundary = 0
         self.context = RenderContext(identity_fields, self._counting, self._max_sample_ids, self.phases)
 
     @property

@@ -48,9 +48,6 @@ class DirectiveAgent:
         self.armory = Armory()
         self.stop: Directive | None = None
         self._boundary_attempt = -1
-        # The attempt at which ``window_start`` next calls ``boundary``: every ``agree_every``
-        # attempts, or at once (0) when a local directive is armed. One comparison per window.
-        self.next_boundary = 0
         self._next_poll = 0.0
         self._answered_with_post = False
         self._canary_stack: dict[str, Any] | None = None
@@ -65,9 +62,9 @@ class DirectiveAgent:
         self.ask_with_posts()
 
     def restart(self, origin: records.Origin) -> None:
-        """A new incarnation in this process: boundaries count from its first attempt."""
+        """A new incarnation in this process: boundaries count from its first attempt (the
+        accounting's ``restart`` sets its ``next_boundary`` back to 0)."""
         self.origin = origin
-        self.next_boundary = 0
         self._boundary_attempt = -1
         self.ask_with_posts()
 
@@ -82,12 +79,13 @@ class DirectiveAgent:
         if self._boundary_attempt == windows.attempt or self.stop is not None:
             return
         self._boundary_attempt = attempt = windows.attempt
-        self.next_boundary = attempt - attempt % self._agree_every + self._agree_every
+        # When the window's start next calls here (``WindowAccounting.next_boundary``).
+        windows.next_boundary = attempt - attempt % self._agree_every + self._agree_every
         # After that assignment: a local directive the sender thread arms from here on either
         # shows here or sets ``next_boundary`` to 0 after it (``apply``).
         local = self.armory.take_local()
         if self.armory.local:
-            self.next_boundary = 0
+            windows.next_boundary = 0
         if local is not None:
             self._act(local)
         if attempt % self._agree_every:
@@ -190,7 +188,7 @@ class DirectiveAgent:
                 self._answer_dump(directive)
         self.armory.update(pending, self._windows.step, self.ack)
         if self.armory.local:  # acted on at the next window's start (``boundary``)
-            self.next_boundary = 0
+            self._windows.next_boundary = 0
 
     def _answer_dump(self, directive: Directive) -> None:
         """All thread stacks, taken here on the sender thread: it works while training is stuck."""

@@ -58,7 +58,6 @@ class CheckpointEvents:
         self._new_incarnation = new_incarnation
         self._max_sample_ids = config.hook.max_sample_ids
         self.scheduler: Any = None  # read only at resume
-        self.resume: PendingResume | None = None
 
     @guarded
     def checkpoint_saved(
@@ -120,17 +119,18 @@ class CheckpointEvents:
         restored.update(resumed_step=step, consumed=consumed)
         if first_sample_ids is not None:
             restored["first_sample_ids"] = render_ids(first_sample_ids, self._max_sample_ids)
-        self.resume = PendingResume(to_wire(restored), checkpoint_path, checkpoint_step, self._clock())
+        pending = PendingResume(to_wire(restored), checkpoint_path, checkpoint_step, self._clock())
+        windows.pending_resume = pending  # the window's start sends it (``flush_resume``)
         if first_sample_ids is not None or windows.window is not None:
             self.flush_resume()
 
     def flush_resume(self) -> None:
         """Send the pending resume event, with the current window's first ids if it lacks them."""
-        resume = self.resume
         windows = self._windows
+        resume = windows.pending_resume
         if resume is None or not windows.active:
             return
-        self.resume = None
+        windows.pending_resume = None
         ids = windows.window.sample_ids if windows.window is not None else None
         first_ids = render_ids(ids, self._max_sample_ids)
         event = records.resume(

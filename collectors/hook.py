@@ -75,9 +75,10 @@ class RunHealth:
     read the learning rate used. ``scaler``: a GradScaler whose scale is recorded without a
     sync. ``scheduler``: read only at resume. ``mesh`` or ``groups``
     (``{"dp": pg, "tp": pg, ...}``): the parallel layout; plain data parallelism otherwise.
-    ``samplers``: built with ``submit`` as their sink, started at attach (``samplers.py``). ``transport``: where batches
-    go instead of the HTTP service (tests, custom sinks). ``environ``: the environment, read
-    once here (``os.environ`` when omitted). Objects created later: ``watch(...)``.
+    ``samplers``: built with ``submit`` as their sink, started at attach (``samplers.py``).
+    ``transport``: where batches go instead of the HTTP service (tests, custom sinks).
+    ``environ``: the environment, read once here (``os.environ`` when omitted). Objects
+    created later: ``watch(...)``.
 
     The window's methods (``window_start``, ``loss``, ``grad_norm``, ``window_end``,
     ``optimizer_step_observed``) are the window accounting's own (``accounting.py``), as are

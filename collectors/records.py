@@ -1,4 +1,4 @@
-"""Every record the hook makes, built through the record protocol, one function per kind.
+"""The hook's records, built through the record protocol: one function per kind.
 
 The protocol (``policies.protocol``) defines each kind once: its fields, types and limits, and
 the NaN-by-name codec. Records are built with ``protocol.build``, which orders the fields, drops

@@ -49,7 +49,7 @@ def test_every_builder_makes_a_record_the_protocol_takes() -> None:
     assert (ack["directive_id"], ack["detail"]) == (9, {})
     dump = StackDump(time=5.0, threads="x" * 10, flight_recorder=None, note=None)
     assert "flight_recorder" not in valid(records.stack_dump(ORIGIN, 9, dump))
-    outcome = {"stack": {}, "stack_key": "k", "kernels": {}, "rerun": None, "seconds": 0.1,
+    outcome: dict[str, Any] = {"stack": {}, "stack_key": "k", "kernels": {}, "rerun": None, "seconds": 0.1,
                "over_budget": False}  # fmt: skip
     canary = valid(records.canary_result(ORIGIN, 6.0, 7, None, outcome))
     assert canary["device_uuid"] == "GPU-1" and "directive_id" not in canary
@@ -59,7 +59,7 @@ def test_an_event_is_checked_when_made_and_sent_with_its_origin() -> None:
     event = records.checkpoint(10, "ckpt-10", 1.0, manifest={"step": 10, "files": [], "consumed": 80})
     sent = valid(records.with_origin(event, ORIGIN))
     assert (sent["incarnation"], sent["rank"], sent["consumed"]) == ("inc-1", 1, 80)
-    with pytest.raises(protocol.ProtocolError, match="checkpoint.tags"):
+    with pytest.raises(protocol.ProtocolError, match=r"checkpoint\.tags"):
         records.checkpoint(10, "ckpt-10", 1.0, tags=["x" * 65])
     resume = records.resume({"model": {}}, None, 10, 2.0, [1, 2])
     assert valid(records.with_origin(resume, ORIGIN))["restored"]["first_sample_ids"] == [1, 2]
@@ -67,7 +67,7 @@ def test_an_event_is_checked_when_made_and_sent_with_its_origin() -> None:
 
 def test_the_step_identity_is_checked_once() -> None:
     assert records.step_identity(IDENTITY, "inc-1")["dp_rank"] == 1
-    with pytest.raises(protocol.ProtocolError, match="step.node"):
+    with pytest.raises(protocol.ProtocolError, match=r"step\.node"):
         records.step_identity(Identity(0, 1, 0, "n" * 201, "cpu", None, ParallelLayout()), "inc-1")
 
 
