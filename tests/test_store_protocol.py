@@ -62,15 +62,9 @@ SERVICE_COLUMNS = {
 # Fields that are received but not stored, and why. None today: every field is kept.
 UNSTORED: dict[str, set[str]] = {}
 
-# Text columns narrower than the protocol's bound: a known gap (the protocol takes 200
-# characters for a device name, the columns hold 100). PostgreSQL would refuse a longer value
-# at insert; SQLite does not enforce lengths. Kept listed so the gap cannot grow unnoticed.
-NARROWER: dict[tuple[str, str], int] = {
-    ("step", "device_uuid"): 100,
-    ("device_sample", "device_uuid"): 100,
-    ("link_sample", "device"): 100,
-    ("canary_result", "device_uuid"): 100,
-}
+# Text columns narrower than the protocol's bound. None: a device id is bounded at 100 by the
+# protocol, as the columns are.
+NARROWER: dict[tuple[str, str], int] = {}
 
 KINDS = [kind.kind or "" for kind in protocol.RECORD_KINDS]
 

@@ -35,6 +35,9 @@ from policies.protocol.fields import (
 COUNT = Integer()
 REAL = Real()
 NAME = Text(max_length=200, min_length=1)
+# A device as NVML or sysfs names it ("GPU-" and a UUID: 40 characters; a MIG instance or an HCA
+# name is shorter than 100). The store keeps 100, so a longer one is refused here, not at insert.
+DEVICE_ID = Text(max_length=100, min_length=1)
 INCARNATION_ID = Text(max_length=64, min_length=1)  # a UUID, or a name the launcher gives
 PATH = Text(max_length=1000, min_length=1)
 SAMPLE_ID = Either((Integer(ge=None), Text(max_length=200)))
@@ -52,7 +55,7 @@ STEP = Structure(
         Field("time", REAL, required=True),
         Field("consumed", COUNT),
         Field("node", NAME),
-        Field("device_uuid", NAME),
+        Field("device_uuid", DEVICE_ID),
         Field("dp_rank", COUNT),
         Field("tp_rank", COUNT),
         Field("pp_rank", COUNT),
@@ -123,7 +126,7 @@ DEVICE_SAMPLE = Structure(
     "One NVML reading of one device: clocks, power, temperature, cumulative counters, XIDs.",
     (
         Field("node", NAME, required=True),
-        Field("device_uuid", NAME, required=True),
+        Field("device_uuid", DEVICE_ID, required=True),
         Field("seq", COUNT, required=True),
         Field("time", REAL, required=True),
         Field("rank", COUNT),
@@ -145,7 +148,7 @@ LINK_SAMPLE = Structure(
     "One reading of one InfiniBand/RoCE port's counters.",
     (
         Field("node", NAME, required=True),
-        Field("device", NAME, required=True),
+        Field("device", DEVICE_ID, required=True),
         Field("port", COUNT, required=True),
         Field("seq", COUNT, required=True),
         Field("time", REAL, required=True),
@@ -269,7 +272,7 @@ CANARY_RESULT = Structure(
         Field("over_budget", Flag(), default=False),
         Field("directive_id", COUNT),
         Field("node", NAME),
-        Field("device_uuid", NAME),
+        Field("device_uuid", DEVICE_ID),
     ),
     kind="canary_result",
     key=("incarnation", "rank", "step"),
