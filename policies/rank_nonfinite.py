@@ -1,4 +1,5 @@
-"""Which ranks of a window have a nonfinite loss, grad norm or loss scale of their own.
+"""Which ranks of a window have a nonfinite loss of their own (a nonfinite grad norm or loss
+scale is judged on the whole window by the series rules, ``policies.numerics``).
 
 A NaN on one rank is usually that rank's data or device; a NaN everywhere is the all-reduce
 spreading it, and is then one finding with a count rather than one per rank.
@@ -27,7 +28,7 @@ class RankNonfiniteConfig:
 
 
 def rank_nonfinite_findings(window: RankWindow, config: RankNonfiniteConfig) -> list[Finding]:
-    """Name the ranks whose own loss, grad norm or loss scale is nonfinite."""
+    """Name the ranks whose own loss per supervised token is nonfinite."""
     found = []
     for index, rank in enumerate(window.ranks.tolist()):
         loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
