@@ -180,6 +180,8 @@ class WindowAccounting:
                 lr = self.optimizers[0].param_groups[0]["lr"]
                 window.lr = lr if type(lr) is float else learning_rate(self.optimizers[0])
             self.window = window
+            # Sync: none. On a GPU a phase stamp is a CUDA event recorded on the stream, read
+            # for the window's timings only once its ring slot completed (``phases.py``).
             phases = self.phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
             phases.current = mark = (FORWARD, now, phases.stamp())
             phases.marks.append(mark)
