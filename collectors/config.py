@@ -22,10 +22,7 @@ from collectors.tokens import IGNORE_INDEX
 from collectors.transport import TransportConfig
 from collectors.variables import read_components, text
 from policies.protocol import SAMPLE_ID_LIMIT  # the service's bound on a step's sample ids
-
-
-class ConfigError(ValueError):
-    """A setting (from the environment or the caller) that cannot be used; says which."""
+from policies.setting_error import ConfigError as ConfigError  # one class on both sides
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,4 @@ Its own module, at the bottom of the service's layers: the configuration that co
 stage's settings and the stages that read their own (tracing's ``OTEL_*``) raise the same error,
 which the CLI prints as one line."""
 
-
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the variable or file key that set it."""
+from policies.setting_error import ConfigError as ConfigError  # one class on both sides

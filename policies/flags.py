@@ -9,11 +9,13 @@ quarantine in dry-run without a word (nor ``=enabled`` switch it on).
 
 from __future__ import annotations
 
+from policies.setting_error import ConfigError
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-class FlagError(ValueError):
+class FlagError(ConfigError):
     """A yes/no setting spelled some other way; the message names the setting."""
 
 
