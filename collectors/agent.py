@@ -92,13 +92,8 @@ class DirectiveAgent:
             return
         # Host only: a 16-byte gloo all-reduce launched a boundary ago (``Consensus``).
         agreed = self._consensus.exchange(self.armory.oldest_armed())
-        directive = self.armory.known(agreed) if agreed else None
-        if (
-            directive is not None
-            and directive.act_at_step is not None
-            and windows.step >= directive.act_at_step
-        ):
-            self.armory.handled(directive.id)
+        directive = self.armory.take_agreed(agreed, windows.step) if agreed else None
+        if directive is not None:
             self._act(directive)
 
     def _act(self, directive: Directive) -> None:

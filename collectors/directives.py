@@ -119,6 +119,21 @@ class Armory:
         with self._lock:
             return self._known.get(directive_id)
 
+    def take_agreed(self, directive_id: int, step: int) -> Directive | None:
+        """The directive every rank agreed on, once its step is reached, unless this rank has
+        handled it already; it is handled from then on. The agreement launched at the boundary
+        that acts on a directive still carries its id (every rank contributed it before
+        acting), so the next agreement names it again: a canary ran twice on every rank, four
+        steps apart, and its second acknowledgement was refused as a conflict."""
+        with self._lock:
+            directive = self._known.get(directive_id)
+            if directive is None or directive.act_at_step is None or step < directive.act_at_step:
+                return None
+            if directive_id in self._handled:
+                return None
+        self.handled(directive_id)
+        return directive
+
     def first_time(self, directive_id: int) -> bool:
         """True the first time an immediate directive is seen (then it counts as handled)."""
         with self._lock:

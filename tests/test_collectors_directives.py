@@ -100,3 +100,18 @@ def test_a_withdrawn_directive_is_disarmed() -> None:
     armory.update([rollback(15, 500)], 400, lambda *_: None)
     armory.update([], 401, lambda *_: None)
     assert armory.oldest_armed() == 0
+
+
+def test_an_agreed_directive_is_taken_once_at_or_after_its_step() -> None:
+    """Every rank contributed the directive to the agreement launched at the boundary that
+    acted on it, so the next agreement names it again: it is not acted on a second time
+    (``tests/test_collectors_multirank.py`` shows it on four gloo ranks)."""
+    armory = Armory()
+    armory.update([Directive(16, "canary", 40, {})], 30, lambda *_: None)
+    assert armory.take_agreed(16, 39) is None  # agreed early: acted on once its step is reached
+    assert armory.oldest_armed() == 16
+    taken = armory.take_agreed(16, 40)
+    assert taken is not None and taken.kind == "canary" and armory.oldest_armed() == 0
+    assert armory.take_agreed(16, 44) is None
+    armory.update([Directive(16, "canary", 40, {})], 45, lambda *_: pytest.fail("answered again"))
+    assert armory.take_agreed(16, 48) is None and armory.take_agreed(99, 48) is None

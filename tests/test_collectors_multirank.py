@@ -1,5 +1,6 @@
 """Four ranks on gloo, the hook on every one: every window of every rank in the store once,
-through a service killed and restarted mid-run, and through the embedded service."""
+through a service killed and restarted mid-run, and through the embedded service; a scheduled
+canary directive run once per rank."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ SKIP_AT = 20
 require_module("torch")
 
 
-def launch(root: Path, step_sleep: float, **runhealth: str) -> list[subprocess.Popen[bytes]]:
+def launch(
+    root: Path, step_sleep: float, windows: int = WINDOWS, **runhealth: str
+) -> list[subprocess.Popen[bytes]]:
     """Four ranks, as torchrun would start them on one node."""
     command = [
-        sys.executable, "-m", "tests.collectors_worker", "--windows", str(WINDOWS),
+        sys.executable, "-m", "tests.collectors_worker", "--windows", str(windows),
         "--skip-at", str(SKIP_AT), "--step-sleep", str(step_sleep), "--out", str(root / "results"),
     ]  # fmt: skip
     return launch_ranks(root, WORLD, command, RUNHEALTH_SPOOL_DIR=str(root / "spool"), **runhealth)
@@ -103,3 +106,34 @@ def test_four_ranks_with_no_url_use_the_embedded_service(tmp_path: Path) -> None
     assert pids[0] is not None and pids[1:] == [None] * (WORLD - 1)  # local rank 0 started it
     assert not Path(f"/proc/{pids[0]}").exists(), "the embedded service must be stopped at close"
     assert all(result["counters"]["sent"] > 0 and result["counters"]["spooled"] == 0 for result in results)
+
+
+@pytest.mark.slow
+def test_a_scheduled_canary_runs_once_per_rank_and_is_acknowledged_once(tmp_path: Path) -> None:
+    """The service schedules a canary as soon as a run trains; every rank runs it at the one
+    agreed step. It ran twice on every rank (at N and N+4: the agreement after the acting one
+    still names the directive), and each second acknowledgement was a 409, dead-lettered."""
+    db = tmp_path / "store.db"
+    serve = ServeProcess(tmp_path, db, RUNHEALTH_SCHEDULER__CANARY_S="0.5")
+    serve.start()
+    try:
+        token = serve.create_run("canary-4")
+        ranks = launch(
+            tmp_path, 0.02, windows=400, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token,
+            RUNHEALTH_RUN="canary-4", RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.2",
+        )  # fmt: skip
+        results = wait_for(ranks, tmp_path, timeout_s=240)
+        assert wait_until(lambda: len(table_rows(db, "directive_acks")) >= WORLD, 10), serve.log_tail()
+    finally:
+        serve.stop()
+    directives = [d for d in table_rows(db, "directives") if d["kind"] == "canary"]
+    assert directives and all(d["act_at_step"] is not None for d in directives)
+    acted = {d["id"] for d in directives}
+    canaries = [(r["directive_id"], r["rank"]) for r in table_rows(db, "canary_results")]
+    acks = [(a["directive_id"], a["rank"], a["status"]) for a in table_rows(db, "directive_acks")]
+    assert sorted(canaries) == sorted(set(canaries)), f"a canary ran twice on a rank: {canaries}"
+    assert sorted(acks) == sorted({(d, r, "done") for d, r, _ in acks}), acks
+    assert {d for d, _ in canaries} <= acted and len(canaries) >= WORLD
+    assert {(d, r) for d, r, _ in acks} == set(canaries)  # each rank ran what it acknowledged
+    assert not list((tmp_path / "spool").rglob("*.dead.jsonl")), "nothing may be dead-lettered"
+    assert all(result["counters"]["dead_lettered"] == 0 for result in results)
