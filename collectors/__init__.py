@@ -7,6 +7,7 @@ hook attaches. Server code (``monitor``) is never imported here.
 from collectors.checkpoints import build_manifest
 from collectors.config import ConfigError, HookConfig, RunHealthConfig
 from collectors.hook import RunHealth
+from collectors.rollback import Rollback, handle_rollback
 from collectors.samplers import RecordSink, Sampler
 from collectors.stacks import StackDump, dump_stacks
 from collectors.tokens import IGNORE_INDEX, supervised_tokens
@@ -16,11 +17,13 @@ __all__ = [
     "ConfigError",
     "HookConfig",
     "RecordSink",
+    "Rollback",
     "RunHealth",
     "RunHealthConfig",
     "Sampler",
     "StackDump",
     "build_manifest",
     "dump_stacks",
+    "handle_rollback",
     "supervised_tokens",
 ]
