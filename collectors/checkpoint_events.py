@@ -1,22 +1,27 @@
 """Checkpoint and resume events: what the trainer saved, and what a restart restored.
 
 A checkpoint event is sent when the trainer says the checkpoint is committed (rank 0's only:
-the store keys checkpoints by path). A resume event reads the restored objects once (a sync,
-fine at resume), continues the step and consumed counters from the checkpoint, and waits for
-the first window when it still lacks that window's first sample ids.
+every rank names the same files), with its path made absolute here and its manifest, built off
+the training thread unless the trainer gives one (``manifests.py``). A resume event reads the
+restored objects once (a sync, fine at resume), continues the step and consumed counters from
+the checkpoint, and waits for the first window when it still lacks that window's first sample
+ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from os import PathLike
 from typing import Any
 
 from collectors import records
 from collectors.accounting import WindowAccounting
 from collectors.agent import DirectiveAgent
+from collectors.checkpoints import checkpoint_location
 from collectors.config import RunHealthConfig
 from collectors.guard import EntryErrors, guarded
+from collectors.manifests import ManifestJob, ManifestWorker
 from collectors.outbox import Outbox
 from collectors.restore import gather_restored
 from collectors.window import render_ids
@@ -58,26 +63,63 @@ class CheckpointEvents:
         self._new_incarnation = new_incarnation
         self._max_sample_ids = config.hook.max_sample_ids
         self.scheduler: Any = None  # read only at resume
+        self.manifests = ManifestWorker(self._send_checkpoint, config.hook.manifest_settle_s)
 
     @guarded
     def checkpoint_saved(
         self,
         step: int,
-        path: str,
+        path: str | PathLike[str],
         *,
         manifest: Mapping[str, Any] | None = None,
         consumed: int | None = None,
         tags: Sequence[str] | None = None,
         metrics: Mapping[str, float] | None = None,
+        hash_files: bool = True,
     ) -> None:
-        """A committed checkpoint (call it after the last file and the manifest landed). The
-        store keys checkpoints by path, so rank 0 sends and other ranks' calls do nothing."""
+        """A committed checkpoint, a directory or one file (call it once its files landed). A
+        relative path is taken from this process's working directory, now. Without a
+        ``manifest`` it returns at once: a background thread hashes the files and sends the
+        record when done (the checkpoint is a rollback target from then on); ``hash_files=False``
+        records it without one (no rollback target). Rank 0 sends; other ranks' calls send
+        nothing and hash nothing. A path saved again with other content is a new version."""
+        location = checkpoint_location(path)  # the trainer's working directory, not the service's
+        now = self._clock()
+        # Built now, so a bad value is refused at the call (``guarded``), not on the thread.
         event = records.checkpoint(
-            step, path, self._clock(), manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
+            step, location, now, manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
         )
-        self._outbox.submit_event(event)
+        if manifest is not None or not hash_files:
+            self._outbox.submit_event(event)
+        elif self._sends_checkpoints():
+            job_tags = tuple(tags) if tags else None
+            self.manifests.submit(
+                ManifestJob(step, location, now, consumed, job_tags, dict(metrics or {}) or None)
+            )
         if self._config.hook.canary_on_checkpoint and self._windows.active:
             self._agent.run_canary(None)
+
+    def _sends_checkpoints(self) -> bool:
+        """Rank 0, or not attached yet (the outbox decides then)."""
+        origin = self._outbox.origin
+        return origin is None or origin.rank == 0
+
+    def _send_checkpoint(self, job: ManifestJob, manifest: Mapping[str, Any] | None) -> None:
+        """On the manifest worker's thread: the record, with the manifest it built."""
+        event = records.checkpoint(
+            job.step,
+            job.path,
+            job.time,
+            manifest=manifest,
+            consumed=job.consumed,
+            tags=job.tags,
+            metrics=job.metrics,
+        )
+        self._outbox.submit_event(event)
+
+    def finish_manifests(self) -> None:
+        """At close: every checkpoint still being hashed is recorded before the sender stops."""
+        self.manifests.finish()
 
     @guarded
     def resumed(

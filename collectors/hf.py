@@ -25,11 +25,12 @@ and what it logs is a rounded mean of per-rank means, not this rank's token-weig
   is stepped only when the GradScaler finds no inf; ``global_step`` counts skipped attempts too.
 - Checkpoints: ``on_save``, on every rank at the same step (the hook runs its checkpoint canary
   there when configured). The saving ranks first write the hook's counters into the folder
-  (``runhealth.json``), so that a resume continues them exactly; after a barrier (every rank's
-  files, its RNG state or shards, are written) the world's rank 0 hashes the folder for the
-  manifest. That read-back is on the training thread: the hook's canary must run at the save's
-  step on every rank, and ``checkpoint_saved`` takes the manifest at once. ``manifests=False``
-  records checkpoints without it (they are then no rollback target).
+  (``runhealth.json``), so that a resume continues them exactly, and hand the folder to
+  ``checkpoint_saved``, which returns at once: no barrier is added to the save and nothing is
+  read on the training thread. Rank 0's hook hashes the folder on its own thread once its files
+  are quiet, the other ranks' RNG states or shards included (``collectors.manifests``), and the
+  checkpoint is a rollback target once that manifest is recorded. ``manifests=False`` records
+  checkpoints without it (they are then no rollback target).
 - Resume: ``global_step > 0`` at ``on_train_begin`` (the Trainer loaded a checkpoint's state).
 - Directives: after each window, ``rh.should_stop()``; a rollback stops the Trainer there
   (``control.should_training_stop``), on every rank at the same step, and ``rh.directive`` says
@@ -56,7 +57,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by the no-transformers check
     raise ImportError("collectors.hf needs transformers and accelerate: pip install 'runhealth[hf]'") from exc
 
-from collectors.checkpoints import build_manifest
 from collectors.guard import guarded
 from collectors.hook import RunHealth
 from collectors.tokens import supervised_tokens
@@ -72,7 +72,8 @@ class RunHealthCallback(TrainerCallback):
     ``trainer``: the Trainer this callback is added to; needed for the grad norm before clipping
     (see the module docstring). ``rh``: a hook to use (the caller closes it); by default one is
     made from the environment, closed at ``on_train_end`` and made anew for another ``train()``
-    (a new incarnation). ``manifests``: hash each saved checkpoint (rank 0) for its manifest.
+    (a new incarnation). ``manifests``: hash each saved checkpoint for its manifest (rank 0,
+    off the training thread).
 
     Every event is ``guarded``: an exception is counted and logged once, never raised into
     training. ``self`` is positional-only in them since the Trainer passes its objects as
@@ -246,12 +247,8 @@ class RunHealthCallback(TrainerCallback):
         # Only counters the hook kept (no windows: it is not attached, and they mean nothing).
         if args.should_save and progress["attempt"] and os.path.isdir(path):
             write_progress(path, {**progress, "global_step": state.global_step})
-        manifest = None
-        if self._manifests:
-            wait_for_every_rank()
-            if state.is_world_process_zero and os.path.isdir(path):
-                manifest = build_manifest(path, step, consumed)
-        self.rh.checkpoint_saved(step, path, manifest=manifest, consumed=consumed)
+        # Returns at once: the manifest is built off this thread (see the module docstring).
+        self.rh.checkpoint_saved(step, path, consumed=consumed, hash_files=self._manifests)
         self._idle_since = time.perf_counter()
 
     def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -268,15 +265,6 @@ class RunHealthCallback(TrainerCallback):
             consumed=progress.get("consumed"),
             extra={"global_step": state.global_step},
         )
-
-
-def wait_for_every_rank() -> None:
-    """A barrier at a save (every rank is in ``on_save`` at the same step): each rank's files
-    are written before rank 0 reads them back."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def inner_optimizer(optimizer: Any) -> Any:

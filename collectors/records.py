@@ -21,6 +21,7 @@ from collectors.layout import Identity
 from collectors.stacks import StackDump
 from collectors.wire import Record
 from policies import protocol
+from policies.checkpoints import manifest_digest
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,13 @@ def checkpoint(
     tags: Sequence[str] | None = None,
     metrics: Mapping[str, float] | None = None,
 ) -> Event:
-    """A committed checkpoint; its consumed count defaults to the manifest's."""
+    """A committed checkpoint; its consumed count defaults to the manifest's. It carries its
+    identity (``manifest_digest``: the store keys a checkpoint by path, step and content)."""
     if manifest is not None and consumed is None:
         consumed = manifest.get("consumed")
     fields = {"step": step, "path": str(path), "time": time, "consumed": consumed,
-              "manifest": manifest, "tags": list(tags) if tags else None, "metrics": metrics}  # fmt: skip
+              "manifest": manifest, "tags": list(tags) if tags else None, "metrics": metrics,
+              "manifest_digest": manifest_digest(manifest)}  # fmt: skip
     return _event(protocol.CHECKPOINT, fields)
 
 
@@ -143,8 +146,12 @@ def _event(kind: protocol.Structure, fields: dict[str, Any]) -> Event:
 
 
 def with_origin(event: Event, origin: Origin) -> Record:
-    """An event as sent: events made before attach learn their origin then."""
-    return protocol.build(event.kind, **event.fields, incarnation=origin.incarnation, rank=origin.rank)
+    """An event as sent: events made before attach learn their origin then (a checkpoint also
+    its node, whose disk holds the files)."""
+    where = {"node": origin.node} if event.is_checkpoint else {}
+    return protocol.build(
+        event.kind, **event.fields, **where, incarnation=origin.incarnation, rank=origin.rank
+    )
 
 
 def directive_ack(

@@ -1,15 +1,23 @@
 """Which checkpoint to rewind to: chosen from evidence, never "N back".
 
-A recovery point must be complete (its manifest re-checked against the files), finite (not
-at or after a nonfinite step), safe (not at or after the first affected step of an open
-incident), and strictly before the first affected step of the incident being recovered.
-Among those, the newest wins: it loses the least work.
+A recovery point must be complete (its manifest re-checked against the files), current (not
+superseded by a later save to the same path, which rewrote its files), finite (not at or after
+a nonfinite step), safe (not at or after the first affected step of an open incident), and
+strictly before the first affected step of the incident being recovered. Among those, the
+newest wins: it loses the least work.
+
+A checkpoint is identified by its content: (path, step, manifest digest). Saving the same path
+again with other content is a new version of it; the same content reported again is the same
+checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,34 @@ class CheckpointFacts:
     """The manifest re-checked against the files: True, False, or None (not checked yet)."""
     problems: tuple[str, ...] = ()
     time: float = 0.0
+    superseded_by: int | None = None
+    """The key of a later version saved to the same path (its files are no longer these)."""
+
+
+def manifest_digest(manifest: Mapping[str, Any] | None) -> str:
+    """The identity of a manifest's content: a sha256 over its step, consumed count and files
+    (path, size, sha256), in a canonical form, so either side computes the same digest however
+    the manifest was serialized. Empty for a checkpoint recorded without a manifest."""
+    if not manifest:
+        return ""
+    files = sorted(
+        (str(entry.get("path")), entry.get("size"), entry.get("sha256"))
+        for entry in manifest.get("files") or ()
+    )
+    canonical = {"step": manifest.get("step"), "consumed": manifest.get("consumed"), "files": files}
+    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+def superseded(versions: Iterable[tuple[int, str, float]]) -> dict[int, int]:
+    """For (key, path, time) of every checkpoint: which versions a later save to the same path
+    superseded, mapped to the current version (the newest report, by time then key)."""
+    newest: dict[str, tuple[float, int]] = {}
+    listed = list(versions)
+    for key, path, time in listed:
+        if path not in newest or (time, key) > newest[path]:
+            newest[path] = (time, key)
+    return {key: newest[path][1] for key, path, _ in listed if newest[path][1] != key}
 
 
 @dataclass(frozen=True)
@@ -55,9 +91,15 @@ def unsafe_checkpoints(
 def rewind_target(
     checkpoints: Iterable[CheckpointFacts], first_affected_step: int, unsafe: dict[int, str]
 ) -> CheckpointFacts | None:
-    """The newest valid, safe checkpoint strictly before the first affected step, or ``None``."""
+    """The newest valid, current, safe checkpoint strictly before the first affected step, or
+    ``None``."""
     eligible = [
-        c for c in checkpoints if c.valid is True and c.key not in unsafe and c.step < first_affected_step
+        c
+        for c in checkpoints
+        if c.valid is True
+        and c.superseded_by is None
+        and c.key not in unsafe
+        and c.step < first_affected_step
     ]
     return max(eligible, key=lambda c: (c.step, c.time, c.key), default=None)
 
@@ -70,6 +112,8 @@ def rejected_reasons(
     for c in checkpoints:
         if c.step >= first_affected_step:
             reasons[c.key] = f"step {c.step} is not before the first affected step {first_affected_step}"
+        elif c.superseded_by is not None:
+            reasons[c.key] = f"superseded by checkpoint {c.superseded_by}: {c.path} was saved again"
         elif c.valid is not True:
             reasons[c.key] = "not validated" if c.valid is None else "invalid: " + "; ".join(c.problems[:3])
         elif c.key in unsafe:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -44,6 +45,7 @@ from transformers import (  # noqa: E402
 )
 
 from collectors import RunHealth  # noqa: E402
+from collectors import checkpoints as checkpoints_module  # noqa: E402
 from collectors.hf import PROGRESS_FILE, RunHealthCallback  # noqa: E402
 
 VOCAB = 128
@@ -150,11 +152,19 @@ def windows(values: list[Any]) -> list[Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_kwargs", [True, False], ids=["num_items", "mean"])
 def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
-    serve: ServeProcess, tmp_path: Path, loss_kwargs: bool
+    serve: ServeProcess, tmp_path: Path, loss_kwargs: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``num_items``: the Trainer passes the window's token count into the model, whose loss is
     then a share of the window's; ``mean``: a model that takes no loss arguments returns each
-    microbatch's mean."""
+    microbatch's mean. The manifests are hashed off the training thread."""
+    hashed_on: set[str] = set()
+    real_sha256 = checkpoints_module.sha256_of
+
+    def sha256_of(path: Path) -> str:
+        hashed_on.add(threading.current_thread().name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(checkpoints_module, "sha256_of", sha256_of)
     run = f"hf-run-{loss_kwargs}"
     rh = hook_for(serve, run, tmp_path)
     trainer = trainer_for(tmp_path / "out")
@@ -189,6 +199,7 @@ def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
         names = {entry["path"] for entry in manifest["files"]}
         assert {"model.safetensors", "optimizer.pt", "trainer_state.json", PROGRESS_FILE} <= names
         assert_manifest_matches(folder, manifest)
+    assert hashed_on == {"runhealth-manifests"}  # never the training thread
 
 
 @pytest.mark.slow

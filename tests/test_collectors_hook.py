@@ -24,6 +24,7 @@ from collectors import (
     dump_stacks,
     supervised_tokens,
 )
+from collectors import checkpoints as checkpoints_module
 from collectors.attach import Destination
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
@@ -34,6 +35,7 @@ from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.transport import Delivery, TransportConfig
 from collectors.wire import Record
+from policies.checkpoints import manifest_digest
 from tests.adapters_support import ROLLBACK, directed_hook
 from tests.collectors_support import REPO, FakeMarker, RecordingTransport, child_environ, wait_until
 from tests.support import require_module
@@ -350,6 +352,50 @@ def test_checkpoint_saved_records_a_manifest(tmp_path: Path, transport: Recordin
     (event,) = transport.records("checkpoint")
     assert event["step"] == 40 and event["consumed"] == 160 and event["tags"] == ["latest"]
     assert event["manifest"] == manifest and event["incarnation"] == rh.incarnation
+    assert event["node"] == "node-a" and event["manifest_digest"] == manifest_digest(manifest)
+
+
+def test_checkpoint_saved_returns_at_once_and_hashes_a_relative_file_on_its_own_thread(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rh.checkpoint_saved(step, "out/ckpt.pt")``: the path is the trainer's, made absolute at
+    the call; the manifest is built by the manifest worker, and the record sent when it is."""
+    hashed_on: list[str] = []
+    real_sha256 = checkpoints_module.sha256_of
+
+    def sha256_of(path: Path) -> str:
+        hashed_on.append(threading.current_thread().name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(checkpoints_module, "sha256_of", sha256_of)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"weights" * 1000)
+    config = dataclasses.replace(hook_config(tmp_path), hook=HookConfig(manifest_settle_s=0.05))
+    with attach(tmp_path, transport, config=config) as rh:
+        rh.checkpoint_saved(12, "out/ckpt.pt", consumed=48)
+        assert hashed_on == []  # returned before the worker read anything
+    (event,) = transport.records("checkpoint")
+    assert event["path"] == str(tmp_path / "out" / "ckpt.pt") and event["node"] == "node-a"
+    sha = hashlib.sha256(b"weights" * 1000).hexdigest()
+    assert event["manifest"] == {
+        "step": 12,
+        "consumed": 48,
+        "files": [{"path": ".", "size": 7000, "sha256": sha}],
+    }
+    assert event["manifest_digest"] == manifest_digest(event["manifest"])
+    assert hashed_on == ["runhealth-manifests"]
+    assert rh.counters.get("hook_errors", 0) == 0
+
+
+def test_checkpoint_saved_without_hashing_records_no_manifest(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    (tmp_path / "ckpt.pt").write_bytes(b"w")
+    with attach(tmp_path, transport) as rh:
+        rh.checkpoint_saved(3, str(tmp_path / "ckpt.pt"), hash_files=False)
+    (event,) = transport.records("checkpoint")
+    assert "manifest" not in event and event["manifest_digest"] == ""
 
 
 def test_events_handed_over_before_start_are_sent_at_start(

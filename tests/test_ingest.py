@@ -10,10 +10,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor.ingest.batches import ConflictError, IngestResult, content_hash, ingest_batch
+from monitor.ingest.batches import ConflictError, IngestResult, InvalidRecord, content_hash, ingest_batch
 from monitor.ingest.schemas import RECORD_KINDS, BatchIn
 from monitor.judge.summaries import empty_summary, fold, fold_new_steps
 from monitor.store import models
+from policies.checkpoints import manifest_digest
 from tests.support import (
     INCARNATION,
     RunHandle,
@@ -123,13 +124,68 @@ def test_same_key_in_another_run_is_another_record(store: Engine, run: RunHandle
     assert table_counts(store)["step_records"] == 4
 
 
-@pytest.mark.parametrize("kind", ["device_sample", "link_sample", "checkpoint", "resume"])
+@pytest.mark.parametrize("kind", ["device_sample", "link_sample", "resume"])
 def test_keyed_kinds_conflict_on_changed_content(store: Engine, run: RunHandle, kind: str) -> None:
     [record] = [r for r in record_of_each_kind(run.directive_id) if r["kind"] == kind]
     ingest(store, run, [record])
     with pytest.raises(ConflictError) as conflict:
         ingest(store, run, [{**record, "time": record["time"] + 1}])
     assert conflict.value.kind == kind
+
+
+def a_checkpoint(run: RunHandle) -> dict[str, Any]:
+    [record] = [r for r in record_of_each_kind(run.directive_id) if r["kind"] == "checkpoint"]
+    return record
+
+
+def checkpoint_rows(store: Engine) -> list[dict[str, Any]]:
+    table = models.CheckpointEvent.__table__
+    with store.connect() as connection:
+        return [dict(row) for row in connection.execute(sa.select(table).order_by(table.c.id)).mappings()]
+
+
+@both_backends
+def test_the_same_checkpoint_reported_again_is_a_duplicate_whatever_else_changed(
+    store: Engine, run: RunHandle
+) -> None:
+    """A checkpoint is its content at its path and step: re-saved with the same bytes (a script
+    that saves again at its resume iteration), at another time, it is the one stored."""
+    record = a_checkpoint(run)
+    ingest(store, run, [record])
+    again = ingest(store, run, [{**record, "time": record["time"] + 60, "tags": ["resumed"], "rank": 1}])
+    assert (again.accepted, again.duplicates) == (0, 1)
+    [row] = checkpoint_rows(store)
+    assert row["time"] == record["time"] and row["manifest_digest"] == manifest_digest(record["manifest"])
+
+
+@both_backends
+def test_a_path_saved_with_other_content_is_a_new_checkpoint_not_a_conflict(
+    store: Engine, run: RunHandle
+) -> None:
+    record = a_checkpoint(run)
+    files = [{"path": "model.pt", "size": 124, "sha256": "b" * 64}]
+    rewritten = {**record, "time": record["time"] + 60, "manifest": {**record["manifest"], "files": files}}
+    later = {**rewritten, "step": 10, "manifest": {**rewritten["manifest"], "step": 10}}
+    ingest(store, run, [record])
+    assert ingest(store, run, [rewritten, later]).accepted == 2
+    rows = checkpoint_rows(store)
+    assert [(r["path"], r["step"]) for r in rows] == [
+        (record["path"], 0),
+        (record["path"], 0),
+        (record["path"], 10),
+    ]
+    assert len({r["manifest_digest"] for r in rows}) == 3
+
+
+def test_a_checkpoint_digest_that_does_not_match_its_manifest_is_refused(
+    store: Engine, run: RunHandle
+) -> None:
+    record = a_checkpoint(run)
+    with pytest.raises(InvalidRecord) as refused:
+        ingest(store, run, [{**record, "manifest_digest": "0" * 64}])
+    assert refused.value.field == "manifest_digest" and table_counts(store)["checkpoint_events"] == 0
+    ingest(store, run, [{**record, "manifest_digest": manifest_digest(record["manifest"])}])
+    assert ingest(store, run, [record]).duplicates == 1  # derived when absent: the same key
 
 
 def test_content_hash_ignores_nested_key_order_and_tells_nan_from_null() -> None:

@@ -3,6 +3,7 @@ PostgreSQL, and the models agreeing with what the migrations build."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from sqlalchemy.engine import URL, Engine
 from monitor.store import migrate
 from monitor.store.db import create_store_engine
 from monitor.store.models import Base
+from policies.checkpoints import manifest_digest
 from tests.support import both_backends, require_binary, run_cli
 
 IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
@@ -146,3 +148,43 @@ def test_installed_console_script_upgrades_from_another_directory(tmp_path: Path
         assert migrate.is_current(engine)
     finally:
         engine.dispose()
+
+
+CONTENT_KEYS = "0007"  # checkpoints keyed by content (migrations/versions/0007_checkpoint_versions.py)
+
+
+@both_backends
+def test_stored_checkpoints_get_their_digest_and_a_path_may_then_hold_versions(empty_store: Engine) -> None:
+    """A checkpoint stored under the path key gets the digest the service derives, so its record
+    re-sent after the upgrade is still a duplicate; the same path may then hold another version.
+    Down again, only the newest version at each path stays."""
+    previous = script_directory().get_revision(CONTENT_KEYS).down_revision
+    assert isinstance(previous, str)
+    migrate.upgrade(empty_store, previous)
+    manifest = {"step": 5, "consumed": 40, "files": [{"path": ".", "size": 3, "sha256": "a" * 64}]}
+    row = {"run_id": 1, "incarnation": "i", "rank": 0, "step": 5, "path": "/c.pt", "time": 1.0,
+           "received_at": 1.0, "content_hash": "h", "manifest": json.dumps(manifest)}  # fmt: skip
+    with empty_store.begin() as connection:
+        connection.execute(
+            sa.text("INSERT INTO runs (id, name, token_hash, created_at) VALUES (1, 'r', 't', 0)")
+        )
+        insert = sa.text(
+            "INSERT INTO checkpoint_events (run_id, incarnation, rank, step, path, time, received_at, "
+            "content_hash, manifest) VALUES (:run_id, :incarnation, :rank, :step, :path, :time, "
+            ":received_at, :content_hash, :manifest)"
+        )
+        connection.execute(insert, row)
+    migrate.upgrade(empty_store, CONTENT_KEYS)
+    with empty_store.begin() as connection:
+        digest = connection.execute(sa.text("SELECT manifest_digest FROM checkpoint_events")).scalar_one()
+        assert digest == manifest_digest(manifest)
+        connection.execute(
+            sa.text(
+                "INSERT INTO checkpoint_events (run_id, incarnation, rank, step, path, time, received_at, "
+                "content_hash, manifest_digest) VALUES (1, 'i', 0, 9, '/c.pt', 2.0, 2.0, 'h', '')"
+            )
+        )
+    migrate.downgrade(empty_store, previous)
+    with empty_store.connect() as connection:
+        steps = connection.execute(sa.text("SELECT step FROM checkpoint_events")).scalars().all()
+    assert steps == [9]

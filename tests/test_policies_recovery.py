@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.checkpoints import CheckpointFacts, rewind_target, unsafe_checkpoints
+from policies.checkpoints import (
+    CheckpointFacts,
+    manifest_digest,
+    rejected_reasons,
+    rewind_target,
+    superseded,
+    unsafe_checkpoints,
+)
 from policies.diagnosis import Evidence, Verdict, diagnose
 from policies.proposals import (
     ContinuationPolicy,
@@ -60,6 +67,27 @@ def test_unsafe_covers_nonfinite_and_open_incidents() -> None:
     unsafe = unsafe_checkpoints(checkpoints, nonfinite_steps=[350], open_first_steps=[250])
     assert sorted(unsafe) == [2, 3]
     assert "nonfinite" in unsafe[3] and "open incident" in unsafe[2]
+
+
+def test_a_path_saved_again_supersedes_its_older_versions_which_are_never_targets() -> None:
+    # (key, path, time): /a saved at times 1, 3 and 2 (reported out of order), /b once.
+    replaced = superseded([(1, "/a", 1.0), (2, "/b", 1.5), (3, "/a", 3.0), (4, "/a", 2.0)])
+    assert replaced == {1: 3, 4: 3}
+    older = CheckpointFacts(1, 100, "/a", valid=True, superseded_by=3)
+    current = CheckpointFacts(3, 50, "/a", valid=True, time=3.0)
+    assert rewind_target([older, current], 200, {}) == current
+    assert rewind_target([older], 200, {}) is None
+    assert rejected_reasons([older], 200, {}) == {1: "superseded by checkpoint 3: /a was saved again"}
+
+
+def test_a_manifest_digest_is_its_content_however_it_was_written() -> None:
+    files = [{"path": "b.pt", "size": 2, "sha256": "2" * 64}, {"path": "a.pt", "size": 1, "sha256": "1" * 64}]
+    manifest = {"step": 5, "files": files}
+    reordered = {"files": files[::-1], "consumed": None, "step": 5}
+    assert manifest_digest(manifest) == manifest_digest(reordered)
+    assert len(manifest_digest(manifest)) == 64 and manifest_digest(None) == ""
+    assert manifest_digest({**manifest, "step": 6}) != manifest_digest(manifest)
+    assert manifest_digest({**manifest, "files": files[:1]}) != manifest_digest(manifest)
 
 
 @settings(max_examples=300, deadline=None)

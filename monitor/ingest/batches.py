@@ -2,6 +2,9 @@
 
 A record re-sent with the same key and content is stored once; the same key with other
 content raises ``ConflictError`` and the caller's transaction rolls the whole batch back.
+Checkpoints are the exception: their key is their content's identity (path, step, manifest
+digest), so the same checkpoint reported again, at another time or with other tags, is a
+duplicate, and the same path saved with other content is a new row (a newer version).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from sqlalchemy.engine import Connection
 from monitor.recovery import directives
 from monitor.store import models
 from policies import protocol
+from policies.checkpoints import manifest_digest
 from policies.protocol import to_wire
 
 
@@ -53,6 +57,23 @@ class TableSpec:
     a record, a third of the ingest budget)."""
     has_dicts: bool = True
     """Some field holds a free-form dict (hashed with sorted keys)."""
+    key_is_identity: bool = False
+    """The key says all that makes two records one: a stored key is a duplicate whatever the
+    rest of the content (checkpoints: the same content at the same path and step)."""
+    derive: Callable[[int, dict[str, Any]], None] | None = None
+    """Fills in (or checks) key fields the service derives from the record, before hashing."""
+
+
+def _checkpoint_identity(index: int, row: dict[str, Any]) -> None:
+    """A checkpoint's manifest digest, derived from its manifest when the sender left it empty
+    (a hook older than the field, a hand-made record); one that does not match is refused."""
+    derived = manifest_digest(row.get("manifest"))
+    sent = row.get("manifest_digest") or ""
+    if sent and sent != derived:
+        raise InvalidRecord(
+            index, "manifest_digest", f"{sent} is not the digest of the manifest sent ({derived})"
+        )
+    row["manifest_digest"] = derived
 
 
 # Keys are the protocol's (``policies.protocol.kinds``); a table holds them with its run.
@@ -60,7 +81,13 @@ KEYED_TABLES: dict[str, TableSpec] = {
     "step": TableSpec(models.table_of(models.StepRecord), protocol.STEP.key, has_dicts=False),
     "device_sample": TableSpec(models.table_of(models.DeviceSample), protocol.DEVICE_SAMPLE.key),
     "link_sample": TableSpec(models.table_of(models.LinkSample), protocol.LINK_SAMPLE.key),
-    "checkpoint": TableSpec(models.table_of(models.CheckpointEvent), protocol.CHECKPOINT.key, flat=False),
+    "checkpoint": TableSpec(
+        models.table_of(models.CheckpointEvent),
+        protocol.CHECKPOINT.key,
+        flat=False,
+        key_is_identity=True,
+        derive=_checkpoint_identity,
+    ),
     "resume": TableSpec(models.table_of(models.ResumeEvent), protocol.RESUME.key),
     "stack_dump": TableSpec(models.table_of(models.StackDump), protocol.STACK_DUMP.key, has_dicts=False),
     "canary_result": TableSpec(models.table_of(models.CanaryResult), protocol.CANARY_RESULT.key, flat=False),
@@ -154,10 +181,12 @@ def _ingest_keyed(
     fresh: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
     for index, record in indexed:
         row = _row_of(record, spec)
+        if spec.derive is not None:
+            spec.derive(index, row)
         digest = content_hash(row, spec.has_dicts)
         key = tuple(row[name] for name in spec.key)
         if key in fresh:
-            if fresh[key][1]["content_hash"] != digest:
+            if fresh[key][1]["content_hash"] != digest and not spec.key_is_identity:
                 raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
             result.duplicates += 1
             continue
@@ -170,7 +199,7 @@ def _ingest_keyed(
         stored = dict(_stored_hashes(connection, spec, run_id, fresh.keys() - inserted))
         for key, stored_hash in stored.items():
             index, row = fresh[key]
-            if stored_hash != row["content_hash"]:
+            if stored_hash != row["content_hash"] and not spec.key_is_identity:
                 raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
             result.duplicates += 1
         rows = [row for key, (_, row) in fresh.items() if key in inserted]

@@ -171,8 +171,8 @@ class Decisions:
         if live is not None:
             return None
         now = self._clock()
-        checkpoints.validate_pending(connection, now, run_id)
-        known, unsafe = checkpoints.facts(connection, run_id)
+        # The target's files are read again right before it is chosen (confirmed_facts).
+        known, unsafe = checkpoints.confirmed_facts(connection, run_id, incident["first_step"], now)
         # The incident being recovered makes its own later checkpoints unsafe (it is open).
         facts = IncidentFacts(
             key=incident_id,

@@ -29,8 +29,7 @@ def replay_spec(engine: Engine, incident_id: int) -> tuple[int, dict[str, Any]]:
         if incident is None:
             raise ReplayError(f"no incident {incident_id}")
         run_id = incident["run_id"]
-        checkpoints.validate_pending(connection, time.time(), run_id)
-        known, unsafe = checkpoints.facts(connection, run_id)
+        known, unsafe = checkpoints.confirmed_facts(connection, run_id, incident["first_step"], time.time())
         target = rewind_target(known, incident["first_step"], unsafe)
         suspects = connection.execute(
             sa.select(STEP.c.rank, STEP.c.sample_ids, STEP.c.device_uuid, STEP.c.node).where(

@@ -264,10 +264,11 @@ class LinkSample(Base):
 
 
 class CheckpointEvent(Base):
-    """A committed checkpoint, as the trainer reported it. Key: (run, path)."""
+    """A committed checkpoint, as the trainer reported it. Key: (run, path, step, manifest
+    digest): a path saved again with other content is another row, its newer version."""
 
     __tablename__ = "checkpoint_events"
-    __table_args__ = (sa.UniqueConstraint("run_id", "path"),)
+    __table_args__ = (sa.UniqueConstraint("run_id", "path", "step", "manifest_digest"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
@@ -279,6 +280,8 @@ class CheckpointEvent(Base):
     manifest: Mapped[dict[str, Any] | None]
     tags: Mapped[list[Any] | None]
     metrics: Mapped[dict[str, Any] | None]
+    node: Mapped[str | None] = mapped_column(sa.String(200))
+    manifest_digest: Mapped[str] = mapped_column(sa.String(64))
     time: Mapped[float]
     received_at: Mapped[float]
     content_hash: Mapped[str] = mapped_column(sa.String(32))
@@ -431,7 +434,9 @@ class Operator(Base):
 
 
 class CheckpointValidation(Base):
-    """The registry's re-check of a checkpoint's manifest against its files."""
+    """The registry's latest re-check of a checkpoint's manifest against its files, with the
+    files' sizes and modification times as it found them (``files_seen``: a change to either
+    makes the result stale)."""
 
     __tablename__ = "checkpoint_validations"
 
@@ -441,6 +446,7 @@ class CheckpointValidation(Base):
     valid: Mapped[bool]
     problems: Mapped[list[Any]]
     checked_at: Mapped[float]
+    files_seen: Mapped[dict[str, Any] | None]
 
 
 class Proposal(Base):

@@ -180,6 +180,9 @@ MANIFEST = Structure(
     ),
 )
 
+# ``policies.checkpoints.manifest_digest``: a sha256, or empty for a checkpoint with no manifest.
+MANIFEST_DIGEST = Text(max_length=64, pattern=r"^([0-9a-f]{64})?$")
+
 CHECKPOINT = Structure(
     "CheckpointIn",
     "A committed checkpoint, as the trainer reports it.",
@@ -193,9 +196,16 @@ CHECKPOINT = Structure(
         Field("manifest", Nested(MANIFEST)),
         Field("tags", ListOf(Text(max_length=64))),
         Field("metrics", MapOf(REAL)),
+        # The node whose disk holds the files (the service reads only what it can see).
+        Field("node", NAME),
+        # Its content's identity; the service derives it from the manifest when it is empty
+        # and refuses one that does not match it.
+        Field("manifest_digest", MANIFEST_DIGEST, default=""),
     ),
     kind="checkpoint",
-    key=("path",),
+    # One checkpoint is one content at one path and step: the same path saved again with other
+    # content is a new version (``monitor.recovery.checkpoints``), not a conflict.
+    key=("path", "step", "manifest_digest"),
 )
 
 RESUME = Structure(
