@@ -1,7 +1,10 @@
 """Findings into incidents, persisted: one incident per fault, grown as evidence arrives.
 
 The grouping rule is pure (``policies.incidents``); this module keeps the store in step
-with it. An info-level finding is kept as evidence but opens no incident.
+with it. An info-level finding is kept as evidence but opens no incident, and so is a finding in
+the windows a carried-out rollback abandoned (past its checkpoint, in the incarnation it
+stopped): those are the fault the rollback answered, judged late (the last windows before the
+stop can reach the engine after the resume verified and resolved its incident), not a new one.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ from sqlalchemy.engine import Connection
 
 from monitor.store import audit, models
 from policies.incidents import RESOLVES, GroupingConfig, extend, matching_incident, open_incident, scope_of
+from policies.proposal_lifecycle import ProposalStatus
 from policies.types import Finding, IncidentView, Severity
 
 INCIDENT = models.table_of(models.Incident)
 FINDING = models.table_of(models.FindingRow)
+PROPOSAL = models.table_of(models.Proposal)
+
+# A rollback whose directive is out: the ranks leave its incarnation at the step they stop at.
+CARRIED_OUT = (ProposalStatus.EXECUTING.value, ProposalStatus.DONE.value)
 
 
 @dataclass
@@ -43,14 +51,17 @@ class IncidentRecorder:
             return []
         now = self._clock()
         opened = self._open_incidents(connection, run_id)
+        abandoned = abandoned_spans(connection, run_id)
         touched: list[int] = []
         for finding in findings:
             incident_id = None
             if finding.kind in RESOLVES:
                 incident_id = self._resolve(connection, run_id, opened, finding, now)
             elif finding.severity is not Severity.INFO:
-                incident_id = self._attach(connection, run_id, opened, finding, detected_step, now)
-                touched.append(incident_id)
+                incident_id = self._rolled_back(opened, abandoned, finding)
+                if incident_id is None:
+                    incident_id = self._attach(connection, run_id, opened, finding, detected_step, now)
+                    touched.append(incident_id)
             connection.execute(FINDING.insert(), finding_row(run_id, incident_id, finding, now))
         for key, item in opened.items():
             if item.dirty:
@@ -92,6 +103,18 @@ class IncidentRecorder:
                 del opened[key]
                 return key
         return None
+
+    def _rolled_back(
+        self, opened: dict[int, _Open], abandoned: dict[str, tuple[int, int]], finding: Finding
+    ) -> int | None:
+        """The incident a carried-out rollback answered, for a finding in the windows it
+        abandoned that no open incident takes (an open one still grows as before)."""
+        span = abandoned.get(finding.incarnation or "")
+        if span is None or finding.step <= span[0]:
+            return None
+        if matching_incident(finding, [o.view for o in opened.values()], self._grouping) is not None:
+            return None
+        return span[1]
 
     def _open_incidents(self, connection: Connection, run_id: int) -> dict[int, _Open]:
         rows = connection.execute(
@@ -167,6 +190,24 @@ class IncidentRecorder:
         if finding.device is not None:
             item.devices.add(finding.device)
         return key
+
+
+def abandoned_spans(connection: Connection, run_id: int) -> dict[str, tuple[int, int]]:
+    """Per incarnation a carried-out rollback stopped: the checkpoint step it rewound to (the
+    earliest, if several) and the incident it answered. Windows of that incarnation past that
+    step are the history the run abandoned."""
+    rows = connection.execute(
+        sa.select(INCIDENT.c.incarnation, PROPOSAL.c.target_step, PROPOSAL.c.incident_id)
+        .join(INCIDENT, INCIDENT.c.id == PROPOSAL.c.incident_id)
+        .where(
+            PROPOSAL.c.run_id == run_id,
+            PROPOSAL.c.action == "rollback",
+            PROPOSAL.c.status.in_(CARRIED_OUT),
+            PROPOSAL.c.target_step.is_not(None),
+        )
+        .order_by(PROPOSAL.c.target_step.desc())
+    )
+    return {incarnation: (int(step), int(incident)) for incarnation, step, incident in rows}
 
 
 def incident_view(row: Any) -> IncidentView:
