@@ -7,7 +7,9 @@ hook attaches. Server code (``monitor``) is never imported here.
 from collectors.checkpoints import build_manifest
 from collectors.config import ConfigError, HookConfig, RunHealthConfig
 from collectors.hook import RunHealth
-from collectors.rollback import Rollback, handle_rollback
+from collectors.links import LinkReader
+from collectors.nvml import NvmlReader
+from collectors.readers import ReadersConfig
 from collectors.samplers import RecordSink, Sampler
 from collectors.stacks import StackDump, dump_stacks
 from collectors.tokens import IGNORE_INDEX, supervised_tokens
@@ -16,14 +18,15 @@ __all__ = [
     "IGNORE_INDEX",
     "ConfigError",
     "HookConfig",
+    "LinkReader",
+    "NvmlReader",
+    "ReadersConfig",
     "RecordSink",
-    "Rollback",
     "RunHealth",
     "RunHealthConfig",
     "Sampler",
     "StackDump",
     "build_manifest",
     "dump_stacks",
-    "handle_rollback",
     "supervised_tokens",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from collectors.directives import DirectiveConfig
 from collectors.embedded import EmbeddedConfig
+from collectors.readers import ReadersConfig
 from collectors.ring import RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -42,10 +43,6 @@ class HookConfig:
     step, well inside the margin the service gives it).
     ``canary_on_checkpoint``: run the canary suite when a checkpoint is saved (every rank
     saves at the same step, so the canary is aligned without a directive).
-    ``manifest_settle_s``: 1 s without a size or modification-time change before a saved
-    checkpoint's files are hashed off the training thread (``manifests.py``). Every rank leaves
-    the step's collectives together, so the other ranks' files of one save start landing within
-    milliseconds of rank 0's; a second covers a loaded host, and only delays the record.
     """
 
     shift_labels: bool = True
@@ -55,7 +52,6 @@ class HookConfig:
     nccl_trace: bool = False
     agree_every: int = 4
     canary_on_checkpoint: bool = False
-    manifest_settle_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sample_ids <= SAMPLE_ID_LIMIT:
@@ -66,8 +62,6 @@ class HookConfig:
             raise ConfigError("HookConfig.max_phase_marks must be >= 2")
         if self.agree_every < 1:
             raise ConfigError("HookConfig.agree_every must be >= 1")
-        if not self.manifest_settle_s >= 0:
-            raise ConfigError(f"HookConfig.manifest_settle_s must be >= 0, got {self.manifest_settle_s}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +73,7 @@ class RunHealthConfig:
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     directives: DirectiveConfig = field(default_factory=DirectiveConfig)
+    readers: ReadersConfig = field(default_factory=ReadersConfig)
 
     @classmethod
     def from_environ(

@@ -20,7 +20,8 @@ This module wires the hook's parts and runs its lifecycle (attach, close, exit):
 - ``records.py``: every record the hook makes, through the record protocol
   (``policies.protocol``; step records are rendered by ``window.py``);
 - the transport: the sender thread (``sender.py``, with its spool) to the service, embedded or
-  configured (``attach.py``), and the outbox for records handed over before attach.
+  configured (``attach.py``), and the outbox for records handed over before attach;
+- the device and link readers (``readers.py``: NVML, InfiniBand/RoCE), on their own threads.
 
 No host-device synchronization on the hot path (``accounting.py`` says where each value is
 read). Every public method catches its own exceptions (``guard.py``): the training loop never
@@ -54,6 +55,7 @@ from collectors.layout import Identity, discover_identity, resolve_device
 from collectors.markers import marker_factory
 from collectors.outbox import Outbox
 from collectors.phases import Phase, PhaseClock, stamps_for
+from collectors.readers import Readers, build_readers
 from collectors.ring import PinnedRing
 from collectors.samplers import Sampler
 from collectors.sender import Sender, Transport
@@ -75,7 +77,10 @@ class RunHealth:
     read the learning rate used. ``scaler``: a GradScaler whose scale is recorded without a
     sync. ``scheduler``: read only at resume. ``mesh`` or ``groups``
     (``{"dp": pg, "tp": pg, ...}``): the parallel layout; plain data parallelism otherwise.
-    ``samplers``: built with ``submit`` as their sink, started at attach (``samplers.py``).
+    ``samplers``: built with ``submit`` as their sink, started at attach (``samplers.py``); the
+    device and link readers are started there too, each off with ``config.readers``
+    (``RUNHEALTH_READERS__NVML=0``, ``RUNHEALTH_READERS__LINKS=0``), and ``rh.readers`` says
+    what they do.
     ``transport``: where batches go instead of the HTTP service (tests, custom sinks).
     ``environ``: the environment, read once here (``os.environ`` when omitted). Objects
     created later: ``watch(...)``.
@@ -114,6 +119,8 @@ class RunHealth:
         self._layout_args = (mesh, groups, device)
         self._run_config = dict(run_config or {})
         self._samplers = list(samplers)
+        self._readers: Readers | None = None
+        self._reader_state: dict[str, str] = {}
         self._transport = transport
         self._started = self._closed = False
         self._destination: attach.Destination | None = None
@@ -201,8 +208,10 @@ class RunHealth:
         if self.identity.rank == 0:
             self._sender.submit(self._run_start())
         self._outbox.open(self._sender, self._agent.origin)  # what came before attach, in order
+        self._add_readers()
         for sampler in self._samplers:
             self._start_sampler(sampler)
+        self._describe_readers()
 
     def close(self, status: Literal["completed", "failed", "stopped"] = "completed") -> None:
         """Record what is left, flush (bounded), stop samplers and the embedded service."""
@@ -237,7 +246,6 @@ class RunHealth:
             windows.window_end()
         windows.drain()  # waiting for the device here is fine: training is over
         self._events.flush_resume()
-        self._events.finish_manifests()  # the last checkpoints' records, before the sender stops
         windows.phases.enter(Phase.CLOSED)
         if self.identity.rank == 0:
             self._sender.submit(records.run_finish(self.incarnation, self._clock(), status))
@@ -376,6 +384,27 @@ class RunHealth:
         self._samplers.append(sampler)
         if self._windows.active:
             self._start_sampler(sampler)
+
+    @guarded
+    def _add_readers(self) -> None:
+        """The device and link readers (``readers.py``), first among the samplers: started with
+        them here and stopped with them at close."""
+        self._readers = build_readers(
+            self.config.readers, self.identity, self.submit, self._environ, self._clock
+        )
+        self._samplers[:0] = self._readers.samplers
+
+    @guarded
+    def _describe_readers(self) -> None:
+        if self._readers is not None:
+            self._reader_state = self._readers.describe()
+
+    @property
+    def readers(self) -> dict[str, str]:
+        """What the device and link readers do, one line each (``{"nvml": ..., "links": ...}``):
+        what they sample, or why they do nothing (off, no GPU, no NVML, no ports). Known once
+        attached."""
+        return dict(self._reader_state)
 
     @guarded
     def _start_sampler(self, sampler: Sampler) -> None:

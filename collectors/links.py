@@ -189,29 +189,44 @@ class LinkReader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._said: set[str] = set()
+        self._absent: str | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampler thread runs (``start`` found ports)."""
+        return self._thread is not None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why there is nothing to sample (said once in the log), or None."""
+        return self._absent
 
     def sample(self) -> list[Record]:
         """One record per port now; [] without InfiniBand. Never raises."""
         with self._lock:
-            try:
-                ports = find_ports(self._root)
-            except OSError as error:  # no /sys/class/infiniband: no RDMA driver loaded
-                ports, why = [], f"{error.strerror or error}"
-            else:
-                why = "no ports"
-            if not ports:
-                message = f"links: no InfiniBand/RoCE ports under {self._root} ({why})"
-                self._say_once("absent", logging.INFO, f"{message}; link samples are off")
-            return [self._sample_port(device, port, path) for device, port, path in ports]
+            return [self._sample_port(device, port, path) for device, port, path in self._ports()]
 
     def start(self) -> None:
-        """Start the sampler thread; its first sample is taken at once."""
+        """Start the sampler thread; its first sample is taken at once. Without ports (no RDMA
+        driver, no HCA) it says so once and starts nothing: ports do not appear mid-run."""
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or not self._ports():
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="runhealth-links-sampler", daemon=True)
             self._thread.start()
+
+    def _ports(self) -> list[tuple[str, int, Path]]:
+        try:
+            ports = find_ports(self._root)
+        except OSError as error:  # no /sys/class/infiniband: no RDMA driver loaded
+            ports, why = [], f"{error.strerror or error}"
+        else:
+            why = "no ports"
+        self._absent = None if ports else f"no InfiniBand/RoCE ports under {self._root} ({why})"
+        if self._absent is not None:
+            self._say_once("absent", logging.INFO, f"links: {self._absent}; link samples are off")
+        return ports
 
     def stop(self) -> None:
         self._stop.set()

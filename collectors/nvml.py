@@ -8,6 +8,9 @@ inside the reader, so ``collectors`` imports without it.
 Devices are keyed by UUID and mapped to the rank's CUDA device through ``CUDA_VISIBLE_DEVICES``
 (integers, ``GPU-...`` UUIDs or unique prefixes of them, ``MIG-...`` UUIDs), because CUDA's
 indices are not NVML's: NVML enumerates every GPU on the node and ignores the variable.
+
+NVLink error counters are read per link as field values where the device answers them (NVLink 5,
+GB200, answers no other way), else through the legacy per-link error counter.
 """
 
 from __future__ import annotations
@@ -56,11 +59,30 @@ CLOCK_EVENT_FIELDS: tuple[tuple[str, str], ...] = (
     ("hw_thermal_slowdown", "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN"),
     ("hw_power_brake_slowdown", "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN"),
 )
+# NVLink error counters of one link as field values, asked with the link as the scope id: how
+# NVLink 5 (GB200) answers, where the legacy nvmlDeviceGetNvLinkErrorCounter returns
+# NOT_SUPPORTED. Ids 161-163 as nvidia-ml-py names them (the ones nvidia-resiliency-ext's
+# NVLinkWindowHealthCheck reads); DL_CRC counts the link's CRC errors, flit and data together.
+NVLINK_FIELDS: tuple[tuple[str, str], ...] = (
+    ("replay", "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY"),
+    ("recovery", "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY"),
+    ("crc", "NVML_FI_DEV_NVLINK_ERROR_DL_CRC"),
+)
+# The legacy per-link counters, for devices and drivers that do not answer the fields above.
 NVLINK_COUNTERS: tuple[tuple[str, str], ...] = (
     ("replay", "NVML_NVLINK_ERROR_DL_REPLAY"),
     ("recovery", "NVML_NVLINK_ERROR_DL_RECOVERY"),
     ("crc_flit", "NVML_NVLINK_ERROR_DL_CRC_FLIT"),
     ("crc_data", "NVML_NVLINK_ERROR_DL_CRC_DATA"),
+)
+# The member of NVML's value union that holds each integer value type.
+_INTEGER_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+    ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
 )
 
 
@@ -353,13 +375,26 @@ def _read_remapped_rows(calls: _Calls, device: VisibleDevice, errors: dict[str, 
 
 
 def _read_nvlink(calls: _Calls, device: VisibleDevice, errors: dict[str, str]) -> Record:
-    """Error counters of each active link; a link index past the device's links is absent."""
-    links: Record = {}
-    active = getattr(calls.nvml, "NVML_FEATURE_ENABLED", 1)
+    """Error counters of each active link: per-link field values where the device answers them,
+    else the legacy counters. A link index past the device's links is absent."""
+    active = _active_links(calls, device, errors)
+    if not active:
+        return {}
+    links = _nvlink_fields(calls, device, active, errors)
+    for link in active:
+        if str(link) not in links:
+            links[str(link)] = _nvlink_legacy(calls, device, link, errors)
+    return links
+
+
+def _active_links(calls: _Calls, device: VisibleDevice, errors: dict[str, str]) -> list[int]:
+    enabled = getattr(calls.nvml, "NVML_FEATURE_ENABLED", 1)
     past_last = (calls.invalid_argument,)  # NVML's answer for a link index past the last
-    counters = [(name, calls.constant(c)) for name, c in NVLINK_COUNTERS if calls.constant(c) is not None]
-    for link in range(calls.constant("NVML_NVLINK_MAX_LINKS") or 0):
-        state = calls.call(
+    return [
+        link
+        for link in range(calls.constant("NVML_NVLINK_MAX_LINKS") or 0)
+        # inactive links are asked again next time: they can come up
+        if calls.call(
             device.uuid,
             f"nvlink.{link}.state",
             "nvmlDeviceGetNvLinkState",
@@ -368,22 +403,68 @@ def _read_nvlink(calls: _Calls, device: VisibleDevice, errors: dict[str, str]) -
             errors=errors,
             absent=past_last,
         )
-        if state != active:
-            continue  # inactive links are asked again next time: they can come up
-        read = {
-            name: calls.call(
-                device.uuid,
-                f"nvlink.{link}.{name}",
-                "nvmlDeviceGetNvLinkErrorCounter",
-                device.handle,
-                link,
-                counter,
-                errors=errors,
-            )
-            for name, counter in counters
-        }
-        links[str(link)] = {name: int(value) for name, value in read.items() if value is not None}
-    return links
+        == enabled
+    ]
+
+
+def _nvlink_fields(
+    calls: _Calls, device: VisibleDevice, links: Sequence[int], errors: dict[str, str]
+) -> Record:
+    """The links whose counters the device answers as field values, in one call for all. A
+    device that answers none of them at the first ask is not asked again."""
+    fields = [(name, calls.constant(c)) for name, c in NVLINK_FIELDS if calls.constant(c) is not None]
+    if not fields or (device.uuid, "nvlink_fields") in calls.unsupported:
+        return {}
+    asked = [(link, name, field_id) for link in links for name, field_id in fields]
+    values = calls.call(
+        device.uuid,
+        "nvlink_fields",
+        "nvmlDeviceGetFieldValues",
+        device.handle,
+        [(field_id, link) for link, _, field_id in asked],
+        errors=errors,
+        absent=(TypeError,),  # a pynvml too old to take (field id, scope id) pairs
+    )
+    found: Record = {}
+    answered = False
+    for (link, name, _), value in zip(asked, values or (), strict=False):
+        code = value.nvmlReturn
+        if code in calls.unsupported_codes:
+            continue
+        answered = True
+        number = _field_integer(calls, value) if code == calls.constant("NVML_SUCCESS") else None
+        if number is None:
+            errors[f"nvlink.{link}.{name}"] = f"field return code {code}, value type {value.valueType}"
+        else:
+            found.setdefault(str(link), {})[name] = number
+    if values is not None and not answered:
+        calls.remember(device.uuid, "nvlink_fields", "no link answered its error-counter fields")
+    return found
+
+
+def _field_integer(calls: _Calls, value: Any) -> int | None:
+    """An integer field value of whichever integer type NVML gave it; None for any other type."""
+    for type_name, member in _INTEGER_MEMBERS:
+        if value.valueType == calls.constant(type_name):
+            return int(getattr(value.value, member))
+    return None
+
+
+def _nvlink_legacy(calls: _Calls, device: VisibleDevice, link: int, errors: dict[str, str]) -> Record:
+    counters = [(name, calls.constant(c)) for name, c in NVLINK_COUNTERS if calls.constant(c) is not None]
+    read = {
+        name: calls.call(
+            device.uuid,
+            f"nvlink.{link}.{name}",
+            "nvmlDeviceGetNvLinkErrorCounter",
+            device.handle,
+            link,
+            counter,
+            errors=errors,
+        )
+        for name, counter in counters
+    }
+    return {name: int(value) for name, value in read.items() if value is not None}
 
 
 # --- XID events --------------------------------------------------------------------------------

@@ -327,8 +327,9 @@ def link_rates(previous: LinkReading, current: LinkReading) -> CounterRates:
 
 # Device signals: NVLink counters summed over the device's links, PCIe replays, corrected ECC.
 _NVLINK_SIGNAL = {
-    "crc_flit": "nvlink_crc",
+    "crc_flit": "nvlink_crc",  # the legacy per-link counters
     "crc_data": "nvlink_crc",
+    "crc": "nvlink_crc",  # the per-link field value (NVLink 5), flit and data CRC errors together
     "replay": "nvlink_replay",
     "recovery": "nvlink_recovery",
 }

@@ -143,9 +143,15 @@ def test_without_infiniband_one_log_line_and_quiet(tmp_path: Path, caplog: pytes
     reader = LinkReader(sunk.append, LinkReader.Config(interval_s=0.01), root=tmp_path / "none")
     assert reader.sample() == [] and reader.sample() == []
     reader.start()
+    assert not reader.running  # without ports no thread is started
+    assert not any(t.name == "runhealth-links-sampler" for t in threading.enumerate())
     threading.Event().wait(0.05)
     reader.stop()
     assert sunk == []
+    assert (
+        reader.unavailable_reason
+        == f"no InfiniBand/RoCE ports under {tmp_path / 'none'} (No such file or directory)"
+    )
     [line] = [r.getMessage() for r in caplog.records if r.name == "collectors.links"]
     assert "link samples are off" in line
 
@@ -154,8 +160,10 @@ def test_the_thread_hands_records_to_the_sink_until_stopped(sysfs: Path) -> None
     sunk: queue.Queue[dict[str, Any]] = queue.Queue()
     reader = LinkReader(sunk.put, LinkReader.Config(interval_s=0.01), root=sysfs)
     reader.start()
+    assert reader.running and reader.unavailable_reason is None
     records = [valid(sunk.get(timeout=3)) for _ in range(6)]  # two rounds of three ports
     reader.stop()
+    assert not reader.running
     assert {(r["device"], r["port"]) for r in records} == {
         ("mlx5_0", 1),
         ("mlx5_0", 2),

@@ -60,6 +60,7 @@ class NVMLError_GpuIsLost(NVMLError):
 
 
 SW_POWER_CAP, SYNC_BOOST, SW_THERM, HW_THERM, HW_BRAKE = 74, 76, 269, 270, 271
+NVLINK_REPLAY, NVLINK_RECOVERY, NVLINK_CRC = 161, 162, 163  # asked per link: (field id, link)
 
 
 @dataclass
@@ -81,6 +82,12 @@ class FakeGpu:
         }
     )
     field_types: dict[int, int] = field(default_factory=dict)
+    # (field id, link) -> value of the per-link NVLink fields; absent: the driver answers
+    # NOT_SUPPORTED, as on every GPU before NVLink 5 here. Unsigned int, as NVML types them.
+    link_fields: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (error type, counter type) -> ECC count; None: 10 * counter type + error type
+    ecc_counts: dict[tuple[int, int], int] | None = None
+    remapped_rows: tuple[int, int, int, int] = (2, 1, 1, 0)  # corrected, uncorrected, pending, failure
     unsupported: set[str] = field(default_factory=set)
     missing: set[str] = field(default_factory=set)
     lost: set[str] = field(default_factory=set)
@@ -106,6 +113,7 @@ class FakeNvml:
     NVML_SUCCESS = 0
     NVML_ERROR_INVALID_ARGUMENT = 2
     NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_VALUE_TYPE_UNSIGNED_INT = 1
     NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
     NVML_FEATURE_ENABLED = 1
     NVML_CLOCK_SM = 1
@@ -120,6 +128,9 @@ class FakeNvml:
     NVML_NVLINK_ERROR_DL_RECOVERY = 1
     NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
     NVML_NVLINK_ERROR_DL_CRC_DATA = 3
+    NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY = NVLINK_REPLAY
+    NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY = NVLINK_RECOVERY
+    NVML_FI_DEV_NVLINK_ERROR_DL_CRC = NVLINK_CRC
     NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP = SW_POWER_CAP
     NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST = SYNC_BOOST
     NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN = SW_THERM
@@ -130,7 +141,7 @@ class FakeNvml:
     def __init__(self, gpus: list[FakeGpu], migs: tuple[FakeMig, ...] = (), init_error: Any = None) -> None:
         self.gpus, self.migs, self.init_error = gpus, migs, init_error
         self.calls: Counter[tuple[str, str]] = Counter()
-        self.field_requests: list[list[int]] = []
+        self.field_requests: list[list[Any]] = []  # ids, or (id, scope) pairs for per-link fields
         self.events: queue.Queue[SimpleNamespace] = queue.Queue()
         self.registered: list[str] = []
 
@@ -202,11 +213,13 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEccErrors(self, gpu: FakeGpu, error_type: int, counter_type: int) -> int:
         self._on("nvmlDeviceGetTotalEccErrors", gpu)
+        if gpu.ecc_counts is not None:
+            return gpu.ecc_counts.get((error_type, counter_type), 0)
         return 10 * counter_type + error_type  # volatile: 0/1, aggregate: 10/11
 
     def nvmlDeviceGetRemappedRows(self, gpu: FakeGpu) -> tuple[int, int, int, int]:
         self._on("nvmlDeviceGetRemappedRows", gpu)
-        return (2, 1, 1, 0)
+        return gpu.remapped_rows
 
     def nvmlDeviceGetPcieReplayCounter(self, gpu: FakeGpu) -> int:
         self._on("nvmlDeviceGetPcieReplayCounter", gpu)
@@ -222,12 +235,21 @@ class FakeNvml:
         self._on(f"nvmlDeviceGetNvLinkErrorCounter.{link}", gpu)
         return 100 * link + counter
 
-    def nvmlDeviceGetFieldValues(self, gpu: FakeGpu, field_ids: list[int]) -> list[SimpleNamespace]:
+    def nvmlDeviceGetFieldValues(self, gpu: FakeGpu, field_ids: list[Any]) -> list[SimpleNamespace]:
         self._on("nvmlDeviceGetFieldValues", gpu)
         self.field_requests.append(list(field_ids))
         return [self._field(gpu, field_id) for field_id in field_ids]
 
-    def _field(self, gpu: FakeGpu, field_id: int) -> SimpleNamespace:
+    def _field(self, gpu: FakeGpu, field_id: Any) -> SimpleNamespace:
+        if isinstance(field_id, tuple):  # (field id, scope id): pynvml's form for a scoped field
+            known, value = field_id in gpu.link_fields, gpu.link_fields.get(field_id, 0)
+            return SimpleNamespace(
+                fieldId=field_id[0],
+                scopeId=field_id[1],
+                nvmlReturn=0 if known else 3,
+                valueType=1,
+                value=SimpleNamespace(uiVal=value),
+            )
         known = field_id in gpu.fields
         return SimpleNamespace(
             fieldId=field_id,
@@ -235,6 +257,10 @@ class FakeNvml:
             valueType=gpu.field_types.get(field_id, 3),
             value=SimpleNamespace(ullVal=gpu.fields.get(field_id, 0)),
         )
+
+    def clock_field_requests(self) -> list[list[int]]:
+        """The requests of unscoped fields (the clock-event times)."""
+        return [ids for ids in self.field_requests if all(isinstance(i, int) for i in ids)]
 
     def nvmlEventSetCreate(self) -> str:
         self._on("nvmlEventSetCreate")
@@ -369,6 +395,51 @@ def test_nvlink_counters_only_for_active_links() -> None:
     assert nvml.count("nvmlDeviceGetNvLinkState.3", a) == 1  # past the last link: once
 
 
+def test_nvlink_5_counters_come_from_per_link_field_values() -> None:
+    """GB200: the legacy error counter is not supported; each active link's replay, recovery
+    and CRC counts are field values asked with the link as scope, all links in one call."""
+    legacy = {f"nvmlDeviceGetNvLinkErrorCounter.{link}" for link in range(4)}
+    fields = {(field_id, link): 10 * link + offset for link in (0, 2)
+              for offset, field_id in enumerate((NVLINK_REPLAY, NVLINK_RECOVERY, NVLINK_CRC))}  # fmt: skip
+    a = gpu("a", nvlink_states=(1, 0, 1), unsupported=legacy, link_fields=fields)
+    nvml = FakeNvml([a])
+    rh = reader(nvml)
+    for _ in range(2):
+        [record] = rh.sample()
+        assert valid(record)["counters"]["nvlink"] == {
+            "0": {"replay": 0, "recovery": 1, "crc": 2},
+            "2": {"replay": 20, "recovery": 21, "crc": 22},
+        }
+        assert "read_errors" not in record["counters"]
+    scoped = [ids for ids in nvml.field_requests if ids not in nvml.clock_field_requests()]
+    assert (
+        scoped == [[(f, link) for link in (0, 2) for f in (NVLINK_REPLAY, NVLINK_RECOVERY, NVLINK_CRC)]] * 2
+    )
+    assert all(nvml.count(name, a) == 0 for name in legacy)  # never asked: the fields answered
+
+
+def test_nvlink_fields_unanswered_fall_back_to_the_legacy_counter_and_are_not_asked_again() -> None:
+    nvml = FakeNvml([gpu("a", nvlink_states=(1, 1))])
+    rh = reader(nvml)
+    for _ in range(3):
+        assert valid(rh.sample()[0])["counters"]["nvlink"]["1"] == {
+            "replay": 100,
+            "recovery": 101,
+            "crc_flit": 102,
+            "crc_data": 103,
+        }
+    assert len(nvml.field_requests) - len(nvml.clock_field_requests()) == 1  # the first sample only
+    assert (nvml.gpus[0].uuid, "nvlink_fields") in rh.unsupported
+
+
+def test_every_nvlink_counter_the_reader_writes_is_one_the_service_judges() -> None:
+    from collectors.nvml import NVLINK_COUNTERS, NVLINK_FIELDS
+    from policies.devices import device_signal_of
+
+    for name, _ in (*NVLINK_FIELDS, *NVLINK_COUNTERS):
+        assert device_signal_of(f"nvlink.0.{name}") is not None, name
+
+
 def test_seq_increases_per_device_and_past_a_restart() -> None:
     nvml = FakeNvml([gpu("a"), gpu("b")])
     stalled = reader(nvml, clock=lambda: 1_000.0)
@@ -475,8 +546,9 @@ def test_an_unsupported_reading_is_asked_once_and_not_logged_again(
     records = [valid(rh.sample()[0]) for _ in range(4)]
     assert nvml.count("nvmlDeviceGetPcieReplayCounter", a) == 1
     assert nvml.count("nvmlDeviceGetRemappedRows", a) == 1
-    assert SW_THERM in nvml.field_requests[0]
-    assert all(SW_THERM not in ids and SW_POWER_CAP in ids for ids in nvml.field_requests[1:])
+    clock_requests = nvml.clock_field_requests()
+    assert SW_THERM in clock_requests[0]
+    assert all(SW_THERM not in ids and SW_POWER_CAP in ids for ids in clock_requests[1:])
     assert all("pcie_replay" not in r["counters"] for r in records)
     assert "sw_thermal_slowdown" not in records[-1]["counters"]["clock_event_ns"]
     assert set(rh.unsupported) >= {

@@ -441,6 +441,10 @@ def report(
         f"  every rank stopped at step {stopped}, restored step {recovered['target']['step']}, skipped "
         f"{recovered['skip_batches']} and resumed; incident {recovered['incident']}: [bold]{story['status']}[/bold]"
     )
+    readers = results[0]["readers"]  # rank 0 reads for the node: these are CPU ranks
+    demo.say(
+        f"[bold]device and link readers[/bold] (rank 0): NVML {readers['nvml']}; links {readers['links']}"
+    )
     demo.say(
         f"[bold]canary[/bold]: rank 2's device ({hardware['quarantine']['node']}) missed its peers' fingerprints "
         f"on the re-run too: proposal {hardware['id']} quarantines {hardware['quarantine']['node']} "
@@ -507,6 +511,7 @@ def report(
         "audit_ok": chain.ok,
         "story": [e["action"] for e in story["story"]],
         "outage": outage,
+        "readers": readers,
     }
 
 

@@ -240,6 +240,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
         "incarnation": rh.incarnation,
         "counters": rh.counters,
         "skip": sorted(skip),
+        "readers": rh.readers,
     }
 
 

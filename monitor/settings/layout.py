@@ -71,7 +71,9 @@ LEGACY_VARIABLES: Mapping[str, Path] = {
 # The trainer's sections (collectors.config.RunHealthConfig's components: the hook reads
 # RUNHEALTH_HOOK__SHIFT_LABELS and the like, and the embedded service inherits its environment);
 # the service leaves their variables alone. tests/test_collectors_config.py keeps this in step.
-TRAINER_SECTIONS = frozenset({"transport", "hook", "ring", "sender", "spool", "embedded", "directives"})
+TRAINER_SECTIONS = frozenset(
+    {"transport", "hook", "ring", "sender", "spool", "embedded", "directives", "readers"}
+)
 
 # Fields that are tables kept in code, not thresholds: NVIDIA's XID catalog (policies/xid.py).
 NOT_SETTINGS: frozenset[Path] = frozenset({("devices", "xid_catalog")})
