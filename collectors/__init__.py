@@ -10,6 +10,7 @@ from collectors.hook import RunHealth
 from collectors.links import LinkReader
 from collectors.nvml import NvmlReader
 from collectors.readers import ReadersConfig
+from collectors.rollback import Rollback, handle_rollback
 from collectors.samplers import RecordSink, Sampler
 from collectors.stacks import StackDump, dump_stacks
 from collectors.tokens import IGNORE_INDEX, supervised_tokens
@@ -22,11 +23,13 @@ __all__ = [
     "NvmlReader",
     "ReadersConfig",
     "RecordSink",
+    "Rollback",
     "RunHealth",
     "RunHealthConfig",
     "Sampler",
     "StackDump",
     "build_manifest",
     "dump_stacks",
+    "handle_rollback",
     "supervised_tokens",
 ]

@@ -43,6 +43,10 @@ class HookConfig:
     step, well inside the margin the service gives it).
     ``canary_on_checkpoint``: run the canary suite when a checkpoint is saved (every rank
     saves at the same step, so the canary is aligned without a directive).
+    ``manifest_settle_s``: 1 s without a size or modification-time change before a saved
+    checkpoint's files are hashed off the training thread (``manifests.py``). Every rank leaves
+    the step's collectives together, so the other ranks' files of one save start landing within
+    milliseconds of rank 0's; a second covers a loaded host, and only delays the record.
     """
 
     shift_labels: bool = True
@@ -52,6 +56,7 @@ class HookConfig:
     nccl_trace: bool = False
     agree_every: int = 4
     canary_on_checkpoint: bool = False
+    manifest_settle_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sample_ids <= SAMPLE_ID_LIMIT:
@@ -62,6 +67,8 @@ class HookConfig:
             raise ConfigError("HookConfig.max_phase_marks must be >= 2")
         if self.agree_every < 1:
             raise ConfigError("HookConfig.agree_every must be >= 1")
+        if not self.manifest_settle_s >= 0:
+            raise ConfigError(f"HookConfig.manifest_settle_s must be >= 0, got {self.manifest_settle_s}")
 
 
 @dataclass(frozen=True)

@@ -246,6 +246,7 @@ class RunHealth:
             windows.window_end()
         windows.drain()  # waiting for the device here is fine: training is over
         self._events.flush_resume()
+        self._events.finish_manifests()  # the last checkpoints' records, before the sender stops
         windows.phases.enter(Phase.CLOSED)
         if self.identity.rank == 0:
             self._sender.submit(records.run_finish(self.incarnation, self._clock(), status))
