@@ -15,11 +15,17 @@ thread (``self.log(..., sync_dist=True)`` every step would all-reduce and read i
   Under automatic optimization Lightning hands over the loss already divided by
   ``accumulate_grad_batches`` (for the backward); it is multiplied back, on the device. Labels:
   ``labels_from(batch)``, when given, for the supervised token count.
-- The grad norm before clipping: ``on_before_optimizer_step`` runs after the precision plugin
-  unscaled the gradients and before it clips them. The norm is computed there on the device
-  (``torch.nn.utils.get_total_norm``: per-tensor norms with ``_foreach_norm``, then their norm),
-  a tensor, no sync; one extra read of the gradients per step. An optimizer that unscales inside
-  its own step (fused Adam) still has scaled gradients there: its norm is divided by the scale.
+- The grad norm before clipping: taken from the clipping Lightning already does, never
+  computed again. Clipping by norm (``gradient_clip_val``, the default
+  ``configure_gradient_clipping``, or ``self.clip_gradients`` under manual optimization) ends in
+  the precision plugin's ``clip_grad_by_norm``, which calls ``torch.nn.utils.clip_grad_norm_``
+  and drops the total norm it returns. The callback replaces that method on this trainer's
+  plugin with the same call that keeps the norm (a device tensor, no sync), undone when training
+  ends. Without clipping by norm no norm is computed and none is recorded: not clipping, clipping
+  by value, a ``configure_gradient_clipping`` that calls torch itself, or a plugin with its own
+  clipping (FSDP, DeepSpeed). Under automatic optimization the plugin has unscaled the gradients
+  before it clips; under manual optimization with a GradScaler ``self.clip_gradients`` runs
+  before ``opt.step()`` unscales them, so that norm is divided by the scale, on the device.
 - The loss scale: the precision plugin's GradScaler (``trainer.precision_plugin.scaler``).
 - Updates: the hook's step hooks on ``trainer.optimizers``. ``global_step`` counts optimizer-step
   attempts, and the GradScaler skips ``optimizer.step`` on an overflow without Lightning knowing,
@@ -29,10 +35,11 @@ thread (``self.log(..., sync_dist=True)`` every step would all-reduce and read i
   ``ModelCheckpoint`` calls, and every rank must call), and acts after it returned: the file (or
   a sharded strategy's folder) is written and every rank passed the trainer's barrier. There,
   on every rank at the same step (the hook runs its checkpoint canary there when configured),
-  the global rank 0 hashes it for the manifest, on the training thread since
-  ``checkpoint_saved`` takes the manifest at once. The hook's counters travel inside the
-  checkpoint (``state_dict``), so a resume continues them exactly. With ``AsyncCheckpointIO``
-  the file is still being written then: such checkpoints are recorded without a manifest.
+  it hands the path to ``checkpoint_saved``, which returns at once: the global rank 0's hook
+  hashes it for the manifest on its own thread (``collectors.manifests``), nothing is read on
+  the training thread. The hook's counters travel inside the checkpoint (``state_dict``), so a
+  resume continues them exactly. With ``AsyncCheckpointIO`` the file is still being written
+  then: such checkpoints are recorded without a manifest.
 - Resume: ``trainer.ckpt_path`` set at ``on_train_start`` (Lightning restored the checkpoint's
   model, optimizer, scheduler, scaler and this callback's state before it).
 - Directives: after each window, ``rh.should_stop()``; a rollback stops the trainer there
@@ -46,7 +53,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 try:
@@ -54,10 +60,11 @@ try:
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.pytorch.plugins.precision import Precision
+    from torch.amp.grad_scaler import OptState
 except ImportError as exc:  # pragma: no cover - exercised by the no-lightning check
     raise ImportError("collectors.lightning needs lightning: pip install 'runhealth[lightning]'") from exc
 
-from collectors.checkpoints import build_manifest, sha256_of
 from collectors.guard import guarded
 from collectors.hook import RunHealth
 
@@ -73,7 +80,7 @@ class RunHealthCallback(Callback):
     are shifted and masked). ``reduction``: ``"mean"`` when ``training_step`` returns a mean over
     supervised tokens, ``"sum"`` when a sum. ``sample_ids(batch)``: the batch's sample ids;
     recorded without gradient accumulation only, since the hook takes a window's ids when it
-    opens. ``manifests``: hash each written checkpoint (rank 0) for its manifest.
+    opens. ``manifests``: hash each written checkpoint for its manifest (rank 0, off the training thread).
 
     Every event is ``guarded``: an exception is counted and logged once, never raised into
     training.
@@ -100,6 +107,7 @@ class RunHealthCallback(Callback):
         self._idle_since: float | None = None  # when Lightning last finished its own work
         self._restored: dict[str, Any] = {}
         self._save: tuple[Any, Any] | None = None  # (the trainer, its wrapped save_checkpoint)
+        self._clip: tuple[Any, Any] | None = None  # (the precision plugin, its observed clip)
 
     # Attaching and detaching.
 
@@ -117,6 +125,7 @@ class RunHealthCallback(Callback):
         )
         self.rh.start()
         self._wrap_save(trainer)
+        self._observe_clipping(trainer)
         if trainer.ckpt_path is not None:
             self._resumed(trainer)
         if self._sample_ids is not None and trainer.accumulate_grad_batches > 1:
@@ -136,6 +145,7 @@ class RunHealthCallback(Callback):
             self._open = False
             self.rh.window_end()
         self._unwrap_save()
+        self._unobserve_clipping()
         if self._owned:
             stopped = status == "completed" and self.rh.directive is not None
             self.rh.close("stopped" if stopped else status)
@@ -161,7 +171,35 @@ class RunHealthCallback(Callback):
     @guarded
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         self._stepped = True
-        self.rh.grad_norm(grad_norm(optimizer, getattr(trainer.precision_plugin, "scaler", None)))
+
+    # The grad norm, from Lightning's own clipping.
+
+    def _observe_clipping(self, trainer: Trainer) -> None:
+        """Keep the norm ``clip_grad_by_norm`` computes, on this trainer's plugin only (an
+        attribute of the instance). A plugin that clips its own way is left alone."""
+        plugin = trainer.precision_plugin
+        if self._clip is not None:
+            return
+        if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
+            log.info("runhealth: %s clips its own way: no grad norm is recorded", type(plugin).__name__)
+            return
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
+            # Lightning's own body (Precision.clip_grad_by_norm), with the norm kept.
+            norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+            self._clipped(norm, optimizer, getattr(plugin, "scaler", None))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        self._clip = (plugin, clip_grad_by_norm)
+
+    def _unobserve_clipping(self) -> None:
+        observed, self._clip = self._clip, None
+        if observed is not None and vars(observed[0]).get("clip_grad_by_norm") is observed[1]:
+            del observed[0].clip_grad_by_norm  # the class's method again
+
+    @guarded
+    def _clipped(self, norm: Any, optimizer: Any, scaler: Any) -> None:
+        self.rh.grad_norm(unscaled_norm(norm, optimizer, scaler))
 
     @guarded
     def on_train_batch_end(
@@ -232,30 +270,28 @@ class RunHealthCallback(Callback):
             return
         progress = self.rh.progress  # what state_dict put into this checkpoint
         step, consumed = int(progress["step"] or 0), progress["consumed"]
-        manifest = None
         asynchronous = isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO)
-        if self._manifests and trainer.is_global_zero and not asynchronous:
-            manifest = checkpoint_manifest(path, step, consumed)
-        self.rh.checkpoint_saved(step, path, manifest=manifest, consumed=consumed)
+        # Returns at once: the manifest is built off this thread (see the module docstring).
+        self.rh.checkpoint_saved(
+            step, path, consumed=consumed, hash_files=self._manifests and not asynchronous
+        )
         self._idle_since = time.perf_counter()
 
 
-def grad_norm(optimizer: Any, scaler: Any) -> Any:
-    """The total 2-norm of the optimizer's gradients as they are now, a device tensor (no sync).
-    Gradients an optimizer will unscale itself are divided by the scale, also on the device."""
+def unscaled_norm(norm: Any, optimizer: Any, scaler: Any) -> Any:
+    """The norm of the true gradients: divided by the GradScaler's scale (on the device) when the
+    optimizer's gradients were not unscaled yet, as under manual optimization's clipping."""
+    if scaler is None or not scaler.is_enabled():
+        return norm
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return None
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    # GradScaler's own bookkeeping (private, stable since torch 1.6): whether unscale_ ran on this
+    # optimizer since the last update (no entry: it did not). ``get`` creates no entry.
+    state = scaler._per_optimizer_states.get(id(optimizer))
     scale = getattr(scaler, "_scale", None)  # None before the first scaled backward
-    if scale is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
-        norm = norm / scale
-    return norm
+    if (state is not None and state["stage"] is OptState.UNSCALED) or scale is None:
+        return norm
+    return norm / scale
 
 
 def checkpoint_key(path: Any) -> str | None:
@@ -264,20 +300,3 @@ def checkpoint_key(path: Any) -> str | None:
         return None
     text = str(os.fspath(path))
     return text if "://" in text else os.path.abspath(text)
-
-
-def checkpoint_manifest(path: str, step: int, consumed: int | None) -> dict[str, Any] | None:
-    """The manifest of a checkpoint file or folder; None when it is not on a local disk. The
-    service checks each entry at the checkpoint path joined with the entry's path, so a
-    single-file checkpoint is its own entry ``"."``."""
-    if os.path.isdir(path):
-        return build_manifest(path, step, consumed)
-    if not os.path.isfile(path):
-        return None
-    manifest: dict[str, Any] = {
-        "step": step,
-        "files": [{"path": ".", "size": os.path.getsize(path), "sha256": sha256_of(Path(path))}],
-    }
-    if consumed is not None:
-        manifest["consumed"] = consumed
-    return manifest

@@ -1,11 +1,14 @@
 """The Lightning adapter in real short runs (a tiny language model on the CPU) against a real
 ``runhealth serve``: one step record per optimizer-step attempt, each checked against values the
-test computes itself; checkpoint files with manifests; a resume; skipped fp16 updates. And a
-rollback directive stopping the trainer, with an in-process transport that hands it over."""
+test computes itself; checkpoint files with manifests; a resume; skipped fp16 updates; the grad
+norm taken from Lightning's own clipping (automatic and manual optimization) and none without
+clipping. And a rollback directive stopping the trainer, with an in-process transport that
+hands it over."""
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -37,6 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from collectors import RunHealth  # noqa: E402
+from collectors import checkpoints as checkpoints_module  # noqa: E402
 from collectors.lightning import RunHealthCallback  # noqa: E402
 
 VOCAB = 32
@@ -69,9 +73,15 @@ def loader(count: int = 32) -> torch.utils.data.DataLoader[dict[str, Any]]:
     return torch.utils.data.DataLoader(examples, batch_size=ROWS)  # type: ignore[arg-type]
 
 
+def total_norm(module: torch.nn.Module) -> float:
+    """The 2-norm of the module's gradients as they are now, computed here, apart from the hook."""
+    grads = [p.grad.float() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
 class TinyLM(pl.LightningModule):
     """Notes, by its own computation, what each window should record: each batch's summed loss
-    and supervised tokens, each step's norm before clipping (what clipping returned) and rate.
+    and supervised tokens, each step's norm before Lightning clips (when it clips) and rate.
     ``poison``: batch indices after whose backward a gradient is set to inf."""
 
     def __init__(self, *, fused: bool = False, poison: tuple[int, ...] = ()) -> None:
@@ -101,17 +111,13 @@ class TinyLM(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.lrs.append(optimizer.param_groups[0]["lr"])
-        if self.fused:  # no clipping with an optimizer that unscales itself: the norm is noted here
-            scaler = self.trainer.precision_plugin.scaler  # type: ignore[attr-defined]
-            grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-            self.norms.append(float(norm) / scaler.get_scale())
 
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
     ) -> None:
         if gradient_clip_val:
-            self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)))
+            self.norms.append(total_norm(self))  # before Lightning's own clipping, below
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
@@ -145,8 +151,16 @@ def saving(root: Path) -> ModelCheckpoint:
 
 @pytest.mark.slow
 def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
-    serve: ServeProcess, tmp_path: Path
+    serve: ServeProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    hashed_on: set[str] = set()  # the manifests are hashed off the training thread
+    real_sha256 = checkpoints_module.sha256_of
+
+    def sha256_of(path: Path) -> str:
+        hashed_on.add(threading.current_thread().name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(checkpoints_module, "sha256_of", sha256_of)
     rh = hook_for(serve, "pl-run", tmp_path)
     module = TinyLM()
     callback = RunHealthCallback(rh, labels_from=labels_of)
@@ -183,6 +197,7 @@ def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
         assert_manifest_matches(path, manifest)  # the single file is the entry "."
         saved = torch.load(path, weights_only=False)["callbacks"]["RunHealthCallback"]
         assert (saved["step"], saved["consumed"]) == (checkpoint["step"], checkpoint["consumed"])
+    assert hashed_on == {"runhealth-manifests"}
 
 
 @pytest.mark.slow
@@ -249,13 +264,76 @@ def test_a_skipped_fp16_update_is_an_attempt_but_not_a_step(
     assert [s["consumed"] for s in steps] == [4, 8, 12, 16]
     assert [s["sample_ids"] for s in steps] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert [s["loss_scale"] for s in steps] == [1024.0, 1024.0, 1024.0, 512.0]
-    assert steps[2]["grad_norm"] == math.inf
-    finite = [0, 1, 3]
-    assert [steps[i]["grad_norm"] for i in finite] == pytest.approx(
-        [module.norms[i] for i in finite], rel=1e-4
-    )
+    if fused:  # not clipped, so no norm is computed: none is recorded
+        assert [s["grad_norm"] for s in steps] == [None] * 4 and module.norms == []
+    else:  # clipped after the plugin unscaled the gradients: the true norm, inf at the overflow
+        assert steps[2]["grad_norm"] == math.inf
+        finite = [0, 1, 3]
+        assert [steps[i]["grad_norm"] for i in finite] == pytest.approx(
+            [module.norms[i] for i in finite], rel=1e-4
+        )
     # Lightning steps a step-interval scheduler on a skipped update as on any other.
     assert [s["lr"] for s in steps] == pytest.approx([1e-2, 5e-3, 1e-2 / 3, 2.5e-3])
+
+
+@pytest.mark.slow
+def test_without_clipping_no_grad_norm_is_computed(serve: ServeProcess, tmp_path: Path) -> None:
+    rh = hook_for(serve, "pl-noclip", tmp_path)
+    module = TinyLM()
+    callback = RunHealthCallback(rh, labels_from=labels_of)
+    trainer = trainer_for(callback, tmp_path, gradient_clip_val=None)
+    with closing(rh):
+        trainer.fit(module, loader())
+    steps = stored_steps(serve, "pl-noclip", 4)
+    assert [s["grad_norm"] for s in steps] == [None] * 4
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and module.norms == []
+    assert "clip_grad_by_norm" not in vars(trainer.precision_plugin)  # the plugin's own again
+
+
+class ManualLM(TinyLM):
+    """Manual optimization as such modules are written: ``self.manual_backward``, then
+    ``self.clip_gradients`` when ``clip`` is set, then ``opt.step()``."""
+
+    def __init__(self, clip: float | None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.clip = clip
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        if self.clip is not None:
+            self.norms.append(total_norm(self))
+            self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [CLIP, None], ids=["clipped", "unclipped"])
+def test_manual_optimization_takes_the_norm_from_clip_gradients(
+    serve: ServeProcess, tmp_path: Path, clip: float | None
+) -> None:
+    run = f"pl-manual-{'clip' if clip else 'noclip'}"
+    rh = hook_for(serve, run, tmp_path)
+    module = ManualLM(clip)
+    callback = RunHealthCallback(rh, labels_from=labels_of)
+    # Lightning refuses gradient_clip_val and accumulation under manual optimization.
+    trainer = trainer_for(callback, tmp_path, gradient_clip_val=None, accumulate_grad_batches=1)
+    with closing(rh):
+        trainer.fit(module, loader())
+    steps = stored_steps(serve, run, 4)
+
+    assert [s["attempt"] for s in steps] == [1, 2, 3, 4] and [s["step"] for s in steps] == [1, 2, 3, 4]
+    for record, (total, tokens) in zip(steps, module.batches, strict=True):
+        assert record["tokens"] == tokens and record["loss_sum"] == pytest.approx(total, rel=1e-5)
+    if clip is None:
+        assert [s["grad_norm"] for s in steps] == [None] * 4
+    else:
+        assert [s["grad_norm"] for s in steps] == pytest.approx(module.norms, rel=1e-5)
+        assert min(module.norms) > CLIP  # so each recorded norm is the one before clipping
 
 
 class WaitForDirectives(pl.Callback):
