@@ -1,0 +1,350 @@
+"""The README's attach recipes, run on the test trainers of ``tests/trainers/`` against a real
+``runhealth serve``.
+
+- The attach line counts (``scripts/attach_lines.py``): added lines against the same trainer
+  without the hook, within issue 14's targets.
+- The nanoGPT-style loop under ``torchrun``, 4 gloo ranks on the CPU. With the hook and values
+  alone, a clean run: every window of every rank stored, 0 incidents, no dead letters. With
+  checkpoints, resume and rollback: a NaN on one rank at iteration 70, the proposed rollback
+  approved from the CLI, every rank restores ``out/ckpt.pt`` (overwritten in place at every
+  evaluation, relative to the trainer's directory), resumes, and the resume verifies: the
+  incident is resolved, no second proposal, no dead letters. Then ``--init_from=resume`` in a
+  new job continues from the checkpoint file as the run left it.
+- A transformers ``Trainer`` subclass and a Lightning module with manual optimization, each
+  attached by the README's callback line: short real runs whose windows are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy.engine import Engine
+
+from monitor.store import queries
+from monitor.store.db import create_store_engine, resolve_url
+from monitor.store.operators import add_operator
+from tests.adapters_support import run_rows
+from tests.collectors_support import REPO, ServeProcess, child_environ, table_rows, wait_until
+from tests.support import require_module
+
+torch = require_module("torch")
+pytestmark = pytest.mark.slow
+
+TRAINERS = REPO / "tests" / "trainers"
+WORLD = 4
+VOCAB = 64
+
+
+def token_files(root: Path) -> Path:
+    """``data/train.bin`` and ``data/val.bin``: uint16 tokens of a learnable stream (each token
+    mostly follows from the one before), as a tokenizer's output file would be."""
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    successor = rng.permutation(VOCAB)
+    for split, length in (("train", 60_000), ("val", 6_000)):
+        tokens = np.empty(length, dtype=np.uint16)
+        tokens[0] = 0
+        noise = rng.random(length) < 0.1
+        random_tokens = rng.integers(0, VOCAB, length)
+        for index in range(1, length):
+            tokens[index] = random_tokens[index] if noise[index] else successor[tokens[index - 1]]
+        tokens.tofile(data / f"{split}.bin")
+    return data
+
+
+class Job:
+    """A training job of one test trainer, in ``root`` (its working directory), sending to
+    ``serve`` as run ``run``: the hook configured by the environment alone, as a user would."""
+
+    def __init__(self, root: Path, serve: ServeProcess, run: str, **environ: str) -> None:
+        self.root = root
+        self.extra = environ
+        self.serve = serve
+        self.run = run
+        self.token = serve.create_run(run)
+        self.spool = root / "spool"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = root / f"{run}.log"
+
+    def environ(self) -> dict[str, str]:
+        return child_environ(
+            RUNHEALTH_URL=self.serve.url,
+            RUNHEALTH_TOKEN=self.token,
+            RUNHEALTH_RUN=self.run,
+            RUNHEALTH_SPOOL_DIR=str(self.spool),
+            # Quick pacing for a short run: records every 0.2 s, directives polled every 0.5 s.
+            RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2",
+            RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.5",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            **self.extra,
+        )
+
+    def torchrun(self, script: str, *args: str) -> None:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+            str(TRAINERS / script), "--data_dir=data", *args,
+        ]  # fmt: skip
+        self.start(command)
+
+    def python(self, script: str, *args: str) -> None:
+        self.start([sys.executable, str(TRAINERS / script), "--data_dir=data", *args])
+
+    def start(self, command: list[str]) -> None:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.root, env=self.environ(), stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait(self, timeout_s: float = 240.0) -> None:
+        assert self.process is not None
+        try:
+            self.process.wait(timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        assert self.process.returncode == 0, self.log.read_text(errors="replace")[-4000:]
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        return run_rows(self.serve.db, table, self.run)
+
+    def dead_letters(self) -> list[str]:
+        if not self.spool.exists():
+            return []
+        return [p.name for p in self.spool.iterdir() if p.name.endswith(".dead.jsonl") and p.stat().st_size]
+
+    def judged(self, timeout_s: float = 30.0) -> None:
+        """Wait until the engine judged every window of the run (the end of a run is judged once
+        it is idle)."""
+
+        def done() -> bool:
+            summaries = self.rows("step_summaries")
+            return bool(summaries) and all(s["judged"] for s in summaries)
+
+        assert wait_until(done, timeout_s, 0.25), self.serve.log_tail()
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()  # a test that failed early: its job, by PID
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    root = tmp_path_factory.mktemp("serve")
+    process = ServeProcess(root, root / "store.db")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    token_files(tmp_path)
+    return tmp_path
+
+
+# The labels are already the targets (nanoGPT's Y, the Lightning module's): the README's setting.
+TARGETS = {"RUNHEALTH_HOOK__SHIFT_LABELS": "0"}
+
+
+def job(workdir: Path, serve: ServeProcess, run: str, request: pytest.FixtureRequest, **environ: str) -> Job:
+    made = Job(workdir, serve, run, **environ)
+    request.addfinalizer(made.close)
+    return made
+
+
+def test_the_attach_line_counts_are_within_the_targets() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "attach_lines.py"), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    counts = {c["hooked"]: c for c in json.loads(result.stdout)}
+    assert counts["nanogpt_values.py"]["added"] <= 5
+    assert counts["nanogpt_hooked.py"]["added"] <= 10
+    assert counts["hf_hooked.py"]["added"] <= 2 and counts["lightning_hooked.py"]["added"] <= 2
+    assert all(not c["unexplained"] for c in counts.values()), counts
+    assert result.returncode == 0, result.stdout
+
+
+def test_the_line_counter_counts_code_not_comments_or_blank_lines(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import attach_lines
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    plain = '"""doc"""\nf(1)\ny = 2\n'
+    hooked = '"""other doc"""\nimport rh  # the hook\n\n# a comment\nrh.wrap(f(1))\ny = 2\nz = 3\n'
+    (tmp_path / "plain.py").write_text(plain)
+    (tmp_path / "hooked.py").write_text(hooked)
+    counted = attach_lines.count(attach_lines.Pair("t", "plain.py", "hooked.py", 3), tmp_path)
+    assert (counted.added, counted.removed, counted.unexplained) == (3, 1, [])
+    assert counted.within_target
+    (tmp_path / "hooked.py").write_text(hooked.replace("y = 2", "y = 3"))
+    drifted = attach_lines.count(attach_lines.Pair("t", "plain.py", "hooked.py", 9), tmp_path)
+    assert drifted.unexplained == ["y = 2"] and not drifted.within_target
+
+
+def test_nanogpt_with_the_hook_and_values_alone_stores_every_window_and_opens_no_incident(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    clean = job(workdir, serve, "nanogpt-clean", request, **TARGETS)
+    clean.torchrun("nanogpt_values.py", "--max_iters=120")
+    clean.wait()
+    windows = 121  # iterations 0..120
+    steps = clean.rows("step_records")
+    assert len(steps) == WORLD * windows, len(steps)  # the last window, closed at exit, too
+    assert {s["rank"] for s in steps} == set(range(WORLD))
+    last = max(steps, key=lambda s: s["attempt"])
+    assert last["step"] == windows
+    # Examples from the label rows: 4 rows x 2 microbatches x 4 ranks per update.
+    assert last["consumed"] == windows * 4 * 2 * WORLD
+    assert all(s["tokens"] == 4 * 32 * 2 for s in steps)
+    assert all(s["grad_norm"] is not None and s["loss_sum"] is not None for s in steps)
+    clean.judged()
+    assert clean.rows("incidents") == []
+    assert clean.dead_letters() == []
+
+
+def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    nan = job(workdir, serve, "nanogpt-nan", request, **TARGETS)
+    engine = create_store_engine(resolve_url(str(serve.db), {}))
+    request.addfinalizer(engine.dispose)
+    with engine.begin() as connection:
+        operator = add_operator(connection, "oncall-bob", actor="tests", now=time.time())
+    # A NaN at iteration 70 on rank 1 (update 71), 30 iterations after the checkpoint at 40 (its
+    # manifest is recorded a second or two after the save). After the NaN the run never saves
+    # (a NaN val loss is no improvement), so step 40 stays the newest valid checkpoint.
+    nan.torchrun(
+        "nanogpt_hooked.py", "--nan_at=70", "--nan_rank=1", "--always_save_checkpoint=False",
+        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
+    )  # fmt: skip
+    proposal = wait_for_proposal(nan, engine)
+    assert proposal["target"]["step"] == 40
+    assert proposal["target"]["path"] == str(workdir / "out" / "ckpt.pt")  # made absolute by the hook
+    approved = cli(workdir, "approve", str(proposal["id"]), "--reason", "NaN", "--url", serve.url,
+                   "--token", operator)  # fmt: skip
+    assert approved["ok"], approved
+    nan.wait(timeout_s=300)
+
+    acks = [
+        a
+        for a in table_rows(serve.db, "directive_acks")
+        if a["directive_id"] == approved["proposal"]["directive"]
+    ]
+    assert sorted(a["rank"] for a in acks) == list(range(WORLD)) and {a["status"] for a in acks} == {"done"}
+    resumes = nan.rows("resume_events")
+    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {40}
+    steps = nan.rows("step_records")
+    after = [s for s in steps if s["incarnation"] == resumes[0]["incarnation"]]
+    assert min(s["step"] for s in after) == 41  # every rank went on from the checkpoint
+    assert all(s["loss_sum"] is not None and np.isfinite(s["loss_sum"]) for s in after)
+    nan.judged()
+    incidents = nan.rows("incidents")
+    nonfinite = [i for i in incidents if i["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1 and nonfinite[0]["first_step"] == 71, incidents
+    assert nonfinite[0]["status"] == "resolved", incidents
+    assert [i for i in incidents if i["severity"] == "critical" and i["status"] != "resolved"] == []
+    assert len(nan.rows("proposals")) == 1  # no second rollback: no recovery loop
+    assert nan.dead_letters() == []
+
+    # The same checkpoint file, in a new job: --init_from=resume continues from what it holds.
+    saved = int(torch.load(workdir / "out" / "ckpt.pt")["iter_num"])
+    resumed = job(workdir, serve, "nanogpt-resume", request, **TARGETS)
+    resumed.torchrun("nanogpt_hooked.py", "--init_from=resume", f"--max_iters={saved + 10}")
+    resumed.wait()
+    steps = resumed.rows("step_records")
+    assert min(s["step"] for s in steps) == saved + 1 and len(steps) == WORLD * 11
+    restored = resumed.rows("resume_events")
+    assert {(r["checkpoint_path"], r["checkpoint_step"]) for r in restored} == {
+        (str(workdir / "out" / "ckpt.pt"), saved)
+    }
+    resumed.judged()
+    assert [i for i in resumed.rows("incidents") if i["severity"] == "critical"] == []
+    assert resumed.dead_letters() == []
+
+
+def wait_for_proposal(run: Job, engine: Engine, timeout_s: float = 120.0) -> dict[str, Any]:
+    found: list[dict[str, Any]] = []
+
+    def pending() -> bool:
+        with engine.connect() as connection:
+            found[:] = queries.list_proposals(connection, run.run, "pending")
+        return bool(found)
+
+    assert wait_until(pending, timeout_s, 0.5), run.serve.log_tail()
+    return found[0]
+
+
+def cli(root: Path, *args: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "monitor", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=child_environ(),
+        cwd=root,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    parsed: dict[str, Any] = json.loads(result.stdout)
+    return parsed
+
+
+def test_a_trainer_subclass_attached_by_the_callback_line_stores_its_windows(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    require_module("transformers")
+    hf = job(workdir, serve, "hf-subclass", request)
+    hf.python("hf_hooked.py", "--max_steps=12", "--output_dir=out-hf")
+    hf.wait()
+    steps = hf.rows("step_records")
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert all(s["loss_sum"] is not None and s["grad_norm"] is not None for s in steps)
+    checkpoints = hf.rows("checkpoint_events")
+    assert {c["step"] for c in checkpoints} >= {6, 12}
+    assert hf.dead_letters() == []
+
+
+def test_a_manual_optimization_module_attached_by_the_callback_line_stores_its_windows(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    require_module("lightning")
+    module = job(workdir, serve, "lightning-manual", request, **TARGETS)
+    module.python("lightning_hooked.py", "--max_steps=12")
+    module.wait()
+    steps = module.rows("step_records")
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert all(s["loss_sum"] is not None and s["grad_norm"] is not None for s in steps)
+    assert all(s["tokens"] == 4 * 32 for s in steps)
+    assert module.dead_letters() == []
+
+
+def test_the_test_trainers_run_without_the_hook_too(workdir: Path) -> None:
+    """The baselines of the line count are real trainers, not stubs."""
+    environ = child_environ(HF_HUB_OFFLINE="1")
+    for command in (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(TRAINERS / "nanogpt_plain.py"), "--data_dir=data", "--max_iters=25"],
+        [sys.executable, str(TRAINERS / "hf_plain.py"), "--data_dir=data", "--max_steps=3"],
+        [sys.executable, str(TRAINERS / "lightning_plain.py"), "--data_dir=data", "--max_steps=3"],
+    ):  # fmt: skip
+        done = subprocess.run(command, cwd=workdir, env=environ, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (workdir / "out" / "ckpt.pt").is_file()  # rank 0 saved at iteration 20
