@@ -208,27 +208,39 @@ def run(config: BenchmarkConfig, workdir: Path) -> dict[str, Any]:
             if index == config.warmup - 1:
                 for timings in (bare, hooked, noop):
                     timings.clear()
-        throughout, sender = hooked_throughout(config, training, batches, rh, sender_cpu)
+        throughout, sender, service = hooked_throughout(config, training, batches, rh, sender_cpu)
         counters = rh.counters
-    return summarize(config, bare, hooked, noop, throughout, sender, counters)
+    result = summarize(config, bare, hooked, noop, throughout, sender, counters)
+    result["embedded_service_cpu_us_per_step"] = 1e6 * service  # its own process: not added
+    return result
 
 
 def hooked_throughout(
     config: BenchmarkConfig, training: Training, batches: list[dict[str, Any]], rh: RunHealth, sender_cpu: Any
-) -> tuple[Timings, float]:
+) -> tuple[Timings, float, float]:
     """A stretch of a run that is hooked throughout, as a hooked training is: the hook's calls
     as timed there, and the sender thread's CPU per step. In the interleaved run a hooked step
     comes every third step, so the sender's per-second part (heartbeats, a POST's and a poll's
     fixed cost each cycle) would be charged three times over, and the hook's code runs after
-    two steps that are not its own."""
+    two steps that are not its own. Also the embedded service's CPU per step there: on a
+    machine with few cores it competes with the training for them."""
     timings = Timings()
     for index in range(config.warmup):  # the sender's queue and cycle settle to this pace
         hooked_step(training, batches[index % len(batches)], rh, timings)
     timings.clear()
-    started = sender_cpu()
+    started, service = sender_cpu(), process_cpu(rh.embedded_pid)
     for index in range(config.sender_steps):
         hooked_step(training, batches[index % len(batches)], rh, timings)
-    return timings, float(sender_cpu() - started) / config.sender_steps
+    service_s = process_cpu(rh.embedded_pid) - service
+    return timings, float(sender_cpu() - started) / config.sender_steps, service_s / config.sender_steps
+
+
+def process_cpu(pid: int | None) -> float:
+    """A child process's CPU seconds so far (Linux ``/proc``; 0 without one)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(
