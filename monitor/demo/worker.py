@@ -2,7 +2,8 @@
 
 A DDP model on gloo trains with the RunHealth hook, checkpoints every ``--checkpoint-every``
 updates (files, manifest, data cursor), and carries out a rollback directive when the hook
-stops it: restore the named checkpoint, skip the named batches, resume. Canaryfaults, each as it
+stops it: restore the named checkpoint, skip the named batches, resume
+(``collectors.handle_rollback``, with this worker's own restore). Canaryfaults, each as it
 would happen for real:
 
 - ``--corrupt R:I``: rank R's batch I is noise (a bad data shard: replays reproduce it);
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from collectors import RunHealth, RunHealthConfig, build_manifest
+from collectors import RunHealth, RunHealthConfig, build_manifest, handle_rollback
 from collectors.canary import CanaryFaults
 from monitor.demo.tasks import TASKS, Task, loss_of, pair
 
@@ -212,26 +213,23 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                         break
                 elif step >= args.steps or step >= args.max_steps:
                     break
-            directive = rh.directive
-            if directive is None or directive.get("kind") != "rollback":
+            # The incarnation that ends here and its windows, if a rollback restores (a restore
+            # starts a new one).
+            ending: dict[str, Any] = {
+                "stopped_at": rh.progress["step"],
+                "incarnation": rh.incarnation,
+                "attempts": rh.progress["attempt"],
+            }
+            rollback = handle_rollback(
+                rh,
+                load=lambda path: restore(Path(path), net, optimizer, scheduler),
+                resume=lambda meta: {"consumed": meta["consumed"]},
+            )
+            if rollback is None:
                 break
-            meta = restore(Path(directive["checkpoint_path"]), net, optimizer, scheduler)
-            cursor, skip = meta["cursor"], skip | set(directive.get("skip_batches") or [])
-            rollbacks.append(
-                {
-                    "directive": directive["id"],
-                    "stopped_at": rh.progress["step"],
-                    "to": meta["step"],
-                    # The incarnation that ends here and its windows (a restore starts a new one).
-                    "incarnation": rh.incarnation,
-                    "attempts": rh.progress["attempt"],
-                }
-            )
-            rh.resumed(
-                checkpoint_path=directive["checkpoint_path"],
-                checkpoint_step=meta["step"],
-                consumed=meta["consumed"],
-            )
+            meta = rollback.loaded
+            cursor, skip = meta["cursor"], skip | rollback.skip
+            rollbacks.append({"directive": rollback.directive, "to": meta["step"], **ending})
             resumed_at = meta["step"]
     return {
         "rank": rank,
