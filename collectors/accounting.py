@@ -20,10 +20,11 @@ trainer these bound methods themselves, not methods of its own that forward here
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from collectors.counters import Counters
@@ -31,6 +32,7 @@ from collectors.guard import EntryErrors, guarded
 from collectors.phases import Phase, PhaseClock
 from collectors.ring import PinnedRing
 from collectors.sender import Sender
+from collectors.skip_update import NonfiniteSkip
 from collectors.values import learning_rate, local_value, loss_scale, on_device
 from collectors.window import (
     Counting,
@@ -82,6 +84,7 @@ class WindowAccounting:
         counting: Counting,
         max_sample_ids: int,
         attach: Callable[[], object],
+        skip_nonfinite: bool = False,
     ) -> None:
         self._counters = counters
         self.faults = faults
@@ -105,6 +108,9 @@ class WindowAccounting:
         self.pending_resume: PendingResume | None = None  # ``CheckpointEvents.resumed``
         self._lock = threading.Lock()  # the ring's: the sender thread drains it too
         self._logged: set[str] = set()
+        # ``HookConfig.nonfinite_response="skip_update"``: hooks of its own on each optimizer,
+        # so a hook without it runs exactly the code it ran before.
+        self._skip = NonfiniteSkip(self._window_grad_norm) if skip_nonfinite else None
 
     def attached(
         self,
@@ -145,7 +151,13 @@ class WindowAccounting:
                 self.optimizers.append(item)
                 self.handles.append(item.register_step_pre_hook(self._before_optimizer_step))
                 self.handles.append(item.register_step_post_hook(self._after_optimizer_step))
+                if self._skip is not None:
+                    self.handles.extend(self._skip.install(item))
         self.scaler = scaler if scaler is not None else self.scaler
+
+    def _window_grad_norm(self) -> Any:
+        window = self.window
+        return window.grad_norm if window is not None else None
 
     # The step path.
 
@@ -404,6 +416,21 @@ class WindowAccounting:
         """Every window still in the ring. Waits for the device: only at close or a restore."""
         with self._lock:
             self._emit(self._ring.drain())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A hold between windows (``holds.py``): heartbeats say ``held`` (the hang rule
+        leaves such a rank alone), and the pause is not counted as the next window's data
+        wait. No mark is taken: the pause belongs to no window."""
+        phases = self.phases
+        before = phases.current
+        phases.current = (Phase.HELD, time.perf_counter(), None)
+        try:
+            yield
+        finally:
+            phases.current = (before[0], time.perf_counter(), before[2])  # since now: not hung
+            if self._last_end is not None:
+                self._last_end = time.perf_counter()
 
     def restart(self, identity_fields: dict[str, Any]) -> None:
         """A restore inside this process: attempts count again from 0, records carry the new

@@ -3,12 +3,14 @@
 Directives are polled on the sender thread (or arrive with a batch's answer) and acted on at
 window boundaries on the training thread (``directives.py`` says how every rank acts at the
 same one): a rollback stops the rank (``should_stop``), a canary runs the suite on this rank's
-device, a stack dump is answered at once on the sender thread, since that works while training
-is stuck. Every directive is acknowledged (done, failed, missed) with the step it was handled at.
+device, a hold pauses every rank at that boundary until it is released (``holds.py``), a stack
+dump is answered at once on the sender thread, since that works while training is stuck. Every
+directive is acknowledged (done, failed, missed) with the step it was handled at.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ from collectors import records
 from collectors.config import RunHealthConfig
 from collectors.directives import IMMEDIATE, Armory, Consensus, Directive
 from collectors.guard import EntryErrors, guarded
+from collectors.holds import hold_until_released
 from collectors.sender import Sender
 from collectors.stacks import dump_stacks
 
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
     import torch
 
     from collectors.accounting import WindowAccounting
+
+log = logging.getLogger("runhealth.collectors")
 
 
 class DirectiveAgent:
@@ -103,8 +108,40 @@ class DirectiveAgent:
         elif directive.kind == "rollback":
             self.stop = directive
             self.ack(directive, "done", step, {"stopped_at_attempt": self._windows.attempt})
+        elif directive.kind == "hold":
+            self._hold(directive)
+        elif directive.kind == "release":
+            self.ack(directive, "done", step, {"held": False})  # released already, or never held
         else:
             self.ack(directive, "failed", step, {"reason": f"unknown directive kind {directive.kind!r}"})
+
+    def _hold(self, hold: Directive) -> None:
+        """Every rank is at this boundary (the hold was agreed): pause here until released.
+        The acknowledgement says where, at once: the service sees the ranks held."""
+        windows = self._windows
+        step, attempt = windows.step, windows.attempt
+        self.ack(hold, "done", step, {"held_at_step": step, "held_at_attempt": attempt})
+        log.warning(
+            "runhealth: holding at step %d until proposal %s is decided", step, hold.payload.get("proposal")
+        )
+        with windows.paused():
+            released = hold_until_released(
+                hold, self.armory, self._consensus, self._config.directives, self._during_hold
+            )
+        detail = {"held_at_step": step, "held_s": round(released.held_s, 3), "released_by": released.by}
+        if released.directive is None:
+            log.warning("runhealth: no release from the service in time; every rank resumes at step %d", step)
+        elif released.by == "rollback":
+            self._act(released.directive)  # stops here, at the step every rank holds at
+        else:
+            self.ack(released.directive, "done", step, detail)
+
+    def _during_hold(self, directive: Directive) -> None:
+        if directive.kind == "hold":
+            step = self._windows.step
+            self.ack(directive, "done", step, {"held_at_step": step, "already_held": True})
+        else:
+            self._act(directive)
 
     def run_canary(self, directive: Directive | None) -> None:
         """The canary suite on this rank's device (a sync, at a boundary, on purpose)."""

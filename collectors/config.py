@@ -25,6 +25,10 @@ from collectors.variables import read_components, text
 from policies.protocol import SAMPLE_ID_LIMIT  # the service's bound on a step's sample ids
 from policies.setting_error import ConfigError as ConfigError  # one class on both sides
 
+# What the trainer itself does with a nonfinite window (the service's responses are
+# ``policies.responses``): nothing, or skip its update.
+NONFINITE_RESPONSES = ("none", "skip_update")
+
 
 @dataclass(frozen=True)
 class HookConfig:
@@ -47,6 +51,10 @@ class HookConfig:
     checkpoint's files are hashed off the training thread (``manifests.py``). Every rank leaves
     the step's collectives together, so the other ranks' files of one save start landing within
     milliseconds of rank 0's; a second covers a loaded host, and only delays the record.
+    ``nonfinite_response``: ``"none"``, or ``"skip_update"``: the optimizer step of a window
+    whose gradient norm is NaN or infinite is skipped on the device, without a host sync and
+    without the service (``skip_update.py``; the optimizer must be fused or stepped by a
+    GradScaler). Off by default: skipping an update changes the run, the user's choice.
     """
 
     shift_labels: bool = True
@@ -56,6 +64,7 @@ class HookConfig:
     nccl_trace: bool = False
     agree_every: int = 4
     canary_on_checkpoint: bool = False
+    nonfinite_response: str = "none"
     manifest_settle_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -67,6 +76,11 @@ class HookConfig:
             raise ConfigError("HookConfig.max_phase_marks must be >= 2")
         if self.agree_every < 1:
             raise ConfigError("HookConfig.agree_every must be >= 1")
+        if self.nonfinite_response not in NONFINITE_RESPONSES:
+            raise ConfigError(
+                f"HookConfig.nonfinite_response must be one of {', '.join(NONFINITE_RESPONSES)}, "
+                f"got {self.nonfinite_response!r}"
+            )
         if not self.manifest_settle_s >= 0:
             raise ConfigError(f"HookConfig.manifest_settle_s must be >= 0, got {self.manifest_settle_s}")
 

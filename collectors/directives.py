@@ -13,7 +13,9 @@ forever. So each rank contributes the id of its oldest armed directive to a smal
 window boundary and read at the next one: a boundary later every rank reads the same answer
 and acts, or not, together. No device is involved and the training thread never waits on the
 network. A rank that first sees a directive after its step has passed answers ``missed``
-and does not arm it; the service then replaces it with a later one.
+and does not arm it; the service then replaces it with a later one. A ``hold`` and its
+``release`` name no step to reach: they act at the first boundary every rank agrees on them, so
+they are never missed (``AGREED_WHENEVER``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 log = logging.getLogger("runhealth.collectors.directives")
 
 IMMEDIATE = "dump_stacks"
-STEP_ALIGNED = ("rollback", "canary")
+STEP_ALIGNED = ("rollback", "canary", "hold", "release")
+# Acted on at the first boundary every rank agrees on, whatever the step: a hold pauses as soon
+# as it can, and a release resumes ranks that hold at one step already.
+AGREED_WHENEVER = ("hold", "release")
 
 
 @dataclass(frozen=True)
@@ -38,14 +43,23 @@ class DirectiveConfig:
     ``close_wait_s`` 10: at close, how long to wait for the agreement still in flight. Every
     rank launched it a window ago, so with healthy peers it has completed; a peer that never
     reached that boundary (hung, or dead) would hold this process at its exit for the group's
-    timeout (30 minutes for gloo by default), hiding the failure from the launcher."""
+    timeout (30 minutes for gloo by default), hiding the failure from the launcher.
+    ``hold_agree_s`` 0.1: while held, how often the ranks agree (a blocking 16-byte gloo
+    all-reduce; nothing else runs then): a release armed by the poll is acted on within it.
+    ``hold_grace_s`` 30: how long past the hold's own timeout a held rank waits for the
+    service's release (sent on the service's clock within its 5 s check period, then polled)
+    before the ranks release themselves, the service taken to be unreachable."""
 
     poll_interval_s: float = 2.0
     close_wait_s: float = 10.0
+    hold_agree_s: float = 0.1
+    hold_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0 or self.close_wait_s <= 0:
             raise ValueError("DirectiveConfig.poll_interval_s and close_wait_s must be > 0")
+        if self.hold_agree_s <= 0 or self.hold_grace_s < 0:
+            raise ValueError("DirectiveConfig.hold_agree_s must be > 0 and hold_grace_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,11 @@ class Armory:
                 continue
             if directive.act_at_step is None:
                 local.append(directive)  # this rank alone, at its next boundary (a re-run)
-            elif directive.act_at_step < step and directive.id not in already:
+            elif (
+                directive.act_at_step < step
+                and directive.id not in already
+                and directive.kind not in AGREED_WHENEVER
+            ):
                 self.handled(directive.id)
                 answer(directive, "missed", step)
             else:
@@ -188,6 +206,22 @@ class Consensus:
         self._buffer = self._torch.tensor([oldest_armed, -oldest_armed], dtype=self._torch.int64)
         self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
         return agreed
+
+    def agree_now(self, value: int) -> int:
+        """A whole agreement, waited for: the one launched at the last boundary is dropped
+        (every rank drops its own at the same boundary), then ``value`` is agreed on. Only
+        where the training thread has nothing else to do (a hold): each call waits for every
+        peer's matching call, so the ranks move through it in lockstep."""
+        if self._solo:
+            return value
+        if self._work is not None:
+            self._work.wait()  # launched before the hold began; what it says is asked again
+            self._work = None
+        dist = self._torch.distributed
+        buffer = self._torch.tensor([value, -value], dtype=self._torch.int64)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=self._group)
+        low, negated_high = (int(v) for v in buffer.tolist())
+        return low if low > 0 and low == -negated_high else 0
 
     def close(self, wait_s: float) -> None:
         """Wait at most ``wait_s`` for the agreement in flight (``DirectiveConfig.close_wait_s``)."""

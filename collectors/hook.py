@@ -127,7 +127,12 @@ class RunHealth:
         hook = self.config.hook
         counting = Counting(hook.shift_labels, hook.ignore_index)
         self._windows = windows = WindowAccounting(
-            self._counters, self.faults, counting, hook.max_sample_ids, self.start
+            self._counters,
+            self.faults,
+            counting,
+            hook.max_sample_ids,
+            self.start,
+            skip_nonfinite=hook.nonfinite_response == "skip_update",
         )
         self._agent = DirectiveAgent(self.config, windows, self.faults, clock, canary_faults)
         self._outbox = Outbox(self.config.sender.queue_records)

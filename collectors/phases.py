@@ -24,6 +24,7 @@ class Phase(enum.StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"  # clipping, the optimizer step, the scheduler
+    HELD = "held"  # paused by a hold directive between windows, until it is released
     CLOSED = "closed"
 
 

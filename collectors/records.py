@@ -72,6 +72,8 @@ def run_start(
         "agree_every": config.hook.agree_every,
         "heartbeat_s": config.sender.heartbeat_interval_s,
         "flush_s": config.sender.flush_interval_s,
+        # Recorded in a nonfinite incident's story when the trainer skips such updates itself.
+        "nonfinite_response": config.hook.nonfinite_response,
     }
     return protocol.build(
         protocol.RUN_START,

@@ -1,7 +1,8 @@
 """The service's periodic work, on APScheduler 3 in the serving process.
 
 Hang checks run on the service's own clock (a hung run sends no steps that could trigger
-them), and device and link error rates are compared with peers over minutes, not samples.
+them), as are hold timeouts (a held run sends no steps either), and device and link error
+rates are compared with peers over minutes, not samples.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def start_scheduler(service: Service, config: SchedulerConfig) -> BackgroundSche
     jobs = {
         "hang_check": (service.check_hangs, config.hang_check_s),
         "judge_waiting": (service.judge_waiting, config.hang_check_s),
+        "hold_timeouts": (service.decisions.expire_holds, config.hang_check_s),
         "peer_compare": (service.compare_peers, config.peer_compare_s),
         "canary_schedule": (service.canaries.schedule_due, config.canary_s),
         "canary_rounds": (service.canaries.judge_waiting, config.canary_s),

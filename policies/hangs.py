@@ -2,7 +2,9 @@
 
 Heartbeats come from each rank's sender thread on its own clock, so a rank whose training
 thread is blocked in a collective still reports, with the phase it entered and when. The
-timeout is learned from the run's own step times; a run that finished is not hung.
+timeout is learned from the run's own step times; a run that finished is not hung, and a
+rank paused by a hold (``policies.responses``; its phase is ``held``) waits on purpose, bounded
+by the hold's own timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.types import Finding, Severity
+
+HELD = "held"  # the hook's phase while a hold directive pauses the rank (collectors.phases)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,11 @@ def hang_finding(
     ranks start seconds apart, and start-up is as slow as it is allowed to be.
     """
     silence = config.silence_s(stated_heartbeat_s)
-    stuck = [b for b in beats if now - b.received_at <= silence and now - b.phase_since > timeout]
+    stuck = [
+        b
+        for b in beats
+        if now - b.received_at <= silence and now - b.phase_since > timeout and b.phase != HELD
+    ]
     silent = [b for b in beats if now - b.received_at > silence]
     seen = {b.rank for b in beats}
     overdue = started_at is None or now - started_at > max(timeout, silence)

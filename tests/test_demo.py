@@ -41,6 +41,10 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     assert outage["killed_at_step"] >= 75 and outage["spooled"] > 0
     assert outage["replayed"] == outage["spooled"]
     assert outage["lost"] == outage["unexpected"] == 0 and outage["stored"] == outage["windows"] > 4 * 150
+    hold = result["hold"]  # the spike's proposal held every rank until it was approved
+    assert hold["released"] == "approved" and hold["at_step"] >= 150
+    assert result["stopped_at"] == [hold["at_step"]]  # the held ranks stopped where they held
+    assert result["story"].index("hold") < result["story"].index("hold_released")
     readers = result["readers"]  # rank 0's, which reads for the node: what it samples, or why not
     assert set(readers) == {"nvml", "links"}
     assert all(line.startswith(("sampling ", "idle: ")) for line in readers.values()), readers

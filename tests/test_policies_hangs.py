@@ -30,6 +30,14 @@ def test_just_under_and_just_over_the_timeout() -> None:
     assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
 
 
+def test_a_held_rank_waits_on_purpose_but_a_silent_one_is_still_missing() -> None:
+    held = [beat(r, "held", since=10.0) for r in range(4)]  # paused by a hold for 90 s
+    assert hang_finding(held, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG) is None
+    held[3] = beat(3, "held", since=10.0, heard=90.0)
+    finding = hang_finding(held, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    assert finding is not None and finding.evidence["stuck"] == [] and len(finding.evidence["missing"]) == 1
+
+
 def test_the_rank_in_another_phase_is_the_suspect() -> None:
     beats = [
         beat(0, "backward", since=50.0),

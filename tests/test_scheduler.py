@@ -27,6 +27,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
         assert {job.id for job in scheduler.get_jobs()} == {
             "hang_check",
             "judge_waiting",
+            "hold_timeouts",
             "peer_compare",
             "canary_schedule",
             "canary_rounds",

@@ -4,9 +4,10 @@ by runhealth, while two things go wrong.
 1. Rank 1 reads a corrupted batch (a bad shard). The loss spikes; runhealth proposes a rollback
    to the newest valid checkpoint before the spike; the replay job reproduces the spike from
    that checkpoint and shows that skipping the batch removes it, so the proposal is redone to
-   skip it; an operator approves from the CLI with their token; every rank stops at the same
-   step, restores, skips the batch and resumes; the resume is checked against the checkpoint
-   and the incident is resolved.
+   skip it. The service runs with ``policies.response.spike = hold``, so meanwhile every rank
+   holds at one step instead of training on. An operator approves from the CLI with their
+   token; the held ranks stop where they hold, restore, skip the batch and resume; the resume
+   is checked against the checkpoint and the incident is resolved.
 2. Rank 2's device starts computing wrong answers. Its canary (run on every rank at each
    checkpoint) no longer matches its peers', on the immediate re-run too: a persistent
    mismatch, and a proposal to quarantine its node.
@@ -149,9 +150,9 @@ class Demo:
             str(port_file),
         ]
         log = self._log("serve.log")
-        self.service = subprocess.Popen(
-            command, env=_environ(RUNHEALTH_ADMIN_TOKEN=self.admin), stdout=log, stderr=log
-        )
+        # The spike's proposal holds the run until it is decided (``policies.responses``).
+        environ = _environ(RUNHEALTH_ADMIN_TOKEN=self.admin, RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")
+        self.service = subprocess.Popen(command, env=environ, stdout=log, stderr=log)
         deadline = time.monotonic() + 60
         while not port_file.exists():
             if self.service.poll() is not None or time.monotonic() > deadline:
@@ -324,6 +325,12 @@ class Demo:
             f"  proposal {first['id']}: rewind to the checkpoint at step {first['target']['step']} "
             f"({first['verdict']}: {first['evidence']['diagnosis']['reason']})"
         )
+        self.hold = self.wait("every rank holding", lambda: self._held(first["incident"]))
+        self.say(
+            f"  hold: every rank paused at step {self.hold['at_step']} "
+            f"({self.hold['at_step'] - incident['first_step']} steps after the bad batch) until the "
+            "proposal is decided (policies.response.spike = hold)"
+        )
         replayed = self.cli("replay", str(first["incident"]), "--db", str(self.db))
         self.say(f"  replay job: [bold]{replayed['verdict']}[/bold] ({replayed['reason']})")
         second = self.wait(
@@ -345,11 +352,34 @@ class Demo:
             self.operator,
         )
         self.say(
-            f"  {approved['message']}; every rank stops at step "
+            f"  {approved['message']}; the hold is released on approval: every held rank stops where "
+            f"it holds (step {self.hold['at_step']}) instead of at step "
             f"{self._directive_step(approved['proposal']['directive'])}"
         )
         found: dict[str, Any] = second
         return found
+
+    def _held(self, incident: int) -> dict[str, Any] | None:
+        """The incident's hold once every rank acknowledged it: the step they hold at."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                sa.text(
+                    "SELECT a.rank, a.step FROM directive_acks a JOIN directives d ON d.id = a.directive_id "
+                    "WHERE d.kind = 'hold' AND d.incident_id = :i"
+                ),
+                {"i": incident},
+            ).all()
+        if len({row.rank for row in rows}) < self.config.world:
+            return None
+        return {"at_step": max(row.step for row in rows), "ranks": len(rows)}
+
+    def hold_release(self, incident: int) -> str | None:
+        """Why the incident's hold ended (``hold_released`` in its story)."""
+        with self.engine.connect() as connection:
+            for entry in audit.story(connection, incident):
+                if entry["action"] == "hold_released":
+                    return str(entry["details"].get("reason"))
+        return None
 
     def _directive_step(self, directive_id: int) -> int:
         with self.engine.connect() as connection:
@@ -445,6 +475,12 @@ def report(
     demo.say(
         f"[bold]device and link readers[/bold] (rank 0): NVML {readers['nvml']}; links {readers['links']}"
     )
+    hold = {**demo.hold, "released": demo.hold_release(recovered["incident"])}
+    demo.say(
+        f"[bold]hold[/bold]: held at step {hold['at_step']} and released on {hold['released']}: "
+        f"every rank stopped at step {stopped} ({hold['at_step'] - recovered['evidence']['incident']['first_step']} "
+        "steps after the bad batch)"
+    )
     demo.say(
         f"[bold]canary[/bold]: rank 2's device ({hardware['quarantine']['node']}) missed its peers' fingerprints "
         f"on the re-run too: proposal {hardware['id']} quarantines {hardware['quarantine']['node']} "
@@ -511,6 +547,7 @@ def report(
         "audit_ok": chain.ok,
         "story": [e["action"] for e in story["story"]],
         "outage": outage,
+        "hold": hold,
         "readers": readers,
     }
 

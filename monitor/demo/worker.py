@@ -11,7 +11,10 @@ would happen for real:
   high bit flipped, and with ``--training-flips P`` its training matmuls too, with
   probability P per call (silent data corruption);
 - ``--transient R:S``: rank R's loss is hit once at update S, in the first run only (a fault
-  neither a replay nor a canary can explain).
+  neither a replay nor a canary can explain);
+- ``--nan R:S``: rank R's loss is NaN once, at update S, in the first run only (its gradients reach
+  every replica through the all-reduce). ``--fused``: a fused AdamW, which can skip such an
+  update on the device (``RUNHEALTH_HOOK__NONFINITE_RESPONSE=skip_update``).
 
 Imports torch: it is the trainer side, run as its own process, never imported by the service.
 """
@@ -82,6 +85,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--training-flips", type=float, default=0.0)
     parser.add_argument("--faulty-from", type=int, default=0, help="the device fails from this update on")
     parser.add_argument("--transient", default=None, help="R:S")
+    parser.add_argument("--nan", default=None, help="R:S")
+    parser.add_argument("--fused", action="store_true", help="a fused AdamW (skips on a device flag)")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--replay-command", default=None)
@@ -142,7 +147,7 @@ def hook_config(environ: dict[str, str], canary_on_checkpoint: bool) -> RunHealt
 
 def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
     task = TASKS[args.task]
-    corrupt, transient = pair(args.corrupt), pair(args.transient)
+    corrupt, transient, nan = pair(args.corrupt), pair(args.transient), pair(args.nan)
     faulty = args.faulty_rank == rank
     net = DistributedDataParallel(task.model())
     if faulty and args.training_flips > 0:
@@ -150,7 +155,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
         for module in net.module.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_hook(lambda _m, _i, out: flip(out))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, fused=args.fused or None)
     scheduler = warmup(optimizer)
     corrupt_gemm = bit_flipper(random.Random(11), 1.0, bit=30)
     now = {"step": 0}  # the device degrades at --faulty-from: its canaries fail from then on
@@ -171,6 +176,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
     wait_deadline = time.monotonic() + args.wait_rollback_s
     skip: set[str] = set()
     rollbacks: list[dict[str, Any]] = []
+    nan_hit = False
     with RunHealth(
         model=net,
         optimizer=optimizer,
@@ -186,6 +192,8 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
                 loss = loss_of(net, item["tokens"], task.vocab)
                 if transient == (rank, int(rh.progress["step"] or 0) + 1) and not rollbacks:
                     loss = loss * 40.0
+                if nan == (rank, int(rh.progress["step"] or 0) + 1) and not rollbacks and not nan_hit:
+                    loss, nan_hit = loss * float("nan"), True  # once: a skipped update keeps the step
                 rh.loss(loss, labels=item["tokens"])
                 loss.backward()  # type: ignore[no-untyped-call]
                 rh.grad_norm(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.proposals import ProposalConfig
+from policies.responses import ResponseConfig
 from policies.retries import RetryConfig
 
 
@@ -39,11 +40,13 @@ class DecisionConfig:
 
     ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default) unless
     their run-start config says otherwise, so a directive's step must be at least that far
-    ahead; ``margin`` 2 doubles it for the sender's own delay.
+    ahead; ``margin`` 2 doubles it for the sender's own delay. ``responses``: what is done
+    automatically while a proposal waits for an operator (``policies.responses``).
     """
 
     proposals: ProposalConfig = field(default_factory=ProposalConfig)
     retries: RetryConfig = field(default_factory=RetryConfig)
     actions: ActionConfig = field(default_factory=ActionConfig)
+    responses: ResponseConfig = field(default_factory=ResponseConfig)
     poll_interval_s: float = 2.0
     margin: float = 2.0

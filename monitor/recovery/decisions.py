@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import close_incident
-from monitor.recovery import checkpoints, directives
+from monitor.recovery import checkpoints, directives, responses
 from monitor.recovery.config import DecisionConfig
 from monitor.recovery.evidence import incident_evidence
 from monitor.recovery.quarantine import quarantine
@@ -162,6 +162,7 @@ class Decisions:
         )
         if incident is None or incident["status"] != "open" or incident["severity"] == "info":
             return None
+        responses.note_trainer_response(connection, incident, self._clock())
         live = connection.execute(
             sa.select(PROPOSAL.c.id).where(
                 PROPOSAL.c.incident_id == incident_id,
@@ -244,6 +245,10 @@ class Decisions:
             reason="; ".join(proposal.reasons),
             details={"proposal": view_of(connection, proposal_id)},
         )
+        pending = status is ProposalStatus.PENDING
+        responses.hold_if_configured(
+            connection, incident, proposal_id, pending, proposal.auto_approve, self._config.responses, now
+        )
         return proposal_id
 
     def _auto_approve(self, proposal_id: int) -> None:
@@ -297,6 +302,8 @@ class Decisions:
                     self._quarantine(connection, row, operator, now)
                 elif effect is ProposalEffect.DELIVER_ROLLBACK:
                     self._deliver(connection, row, operator, now)
+            rollback = ProposalEffect.DELIVER_ROLLBACK in move.effects
+            responses.release_on_decision(connection, row, True, rollback, operator, now)
             return Outcome(
                 True, f"proposal {proposal_id} approved by {operator}", view_of(connection, proposal_id)
             )
@@ -307,6 +314,7 @@ class Decisions:
             decided = self._decide(connection, proposal_id, lambda _row: Reject(), operator, reason, now)
             if decided is None:
                 return self._lost(connection, proposal_id, "reject")
+            responses.release_on_decision(connection, decided[0], False, False, operator, now)
             return Outcome(
                 True, f"proposal {proposal_id} rejected by {operator}", view_of(connection, proposal_id)
             )
@@ -440,6 +448,11 @@ class Decisions:
             details={"kind": "rollback", "act_at_step": step, "proposal": row["id"]},
         )
         return directive_id
+
+    def expire_holds(self) -> list[int]:
+        """Holds whose timeout passed with their proposal undecided: released (the scheduler)."""
+        with self._lock, self._engine.begin() as connection:
+            return responses.expire_holds(connection, self._clock())
 
     # --- executing -------------------------------------------------------------------------
 

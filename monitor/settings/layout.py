@@ -50,6 +50,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("policies", "canary_schedule"): ("canaries", "schedule"),
     ("policies", "retries"): ("decisions", "retries"),
     ("policies", "proposals"): ("decisions", "proposals"),
+    ("policies", "response"): ("decisions", "responses"),
 }
 
 # The flat names the service read before the settings existed (the README documents them);
