@@ -10,7 +10,7 @@ from collectors.hook import RunHealth
 from collectors.links import LinkReader
 from collectors.nvml import NvmlReader
 from collectors.readers import ReadersConfig
-from collectors.rollback import Rollback, handle_rollback
+from collectors.rollback import Rollback, handle_rollback, load_state_dicts
 from collectors.samplers import RecordSink, Sampler
 from collectors.stacks import StackDump, dump_stacks
 from collectors.tokens import IGNORE_INDEX, supervised_tokens
@@ -31,5 +31,6 @@ __all__ = [
     "build_manifest",
     "dump_stacks",
     "handle_rollback",
+    "load_state_dicts",
     "supervised_tokens",
 ]

@@ -11,7 +11,9 @@ the devices and nodes to avoid. ``handle_rollback`` does it in order on this ran
 trainer's own ``load`` restores the checkpoint at that path (its files in its format: model,
 optimizer, scheduler, scaler, data position), and ``rh.resumed`` records what came back, so the
 service checks the resume against the checkpoint, and the hook starts a new incarnation. The
-skip list comes back on the result, for the trainer's data stream (``Rollback.skipping``).
+skip list comes back on the result, for the trainer's data stream (``Rollback.skipping``). A
+checkpoint that is one ``torch.save`` of state dicts (nanoGPT's ``ckpt.pt``) needs no load function
+of its own: ``load_state_dicts(model=raw_model, optimizer=optimizer)`` is one.
 
 Every rank calls it at the same point of its loop, between windows: the stop is agreed by the
 ranks together, and ``rh.resumed`` broadcasts the new incarnation id. A window the loop left
@@ -93,9 +95,32 @@ def handle_rollback(
     )
 
 
+def load_state_dicts(**objects: Any) -> Callable[[str], dict[str, Any]]:
+    """A ``load`` for a checkpoint that is one ``torch.save`` of a dict holding each object's
+    ``state_dict()`` under its keyword (nanoGPT's ``ckpt.pt``: ``model``, ``optimizer``): each
+    object's ``load_state_dict`` gets its entry, and the whole dict is returned (the step counter
+    and whatever else the trainer saved). Read to the host (``map_location="cpu"``);
+    ``load_state_dict`` copies each tensor to its object's device."""
+
+    def load(path: str) -> dict[str, Any]:
+        import torch
+
+        checkpoint: dict[str, Any] = torch.load(path, map_location="cpu")
+        missing = [name for name in objects if name not in checkpoint]
+        if missing:
+            raise KeyError(
+                f"checkpoint {path} holds no {', '.join(missing)} (its keys: {sorted(checkpoint)})"
+            )
+        for name, target in objects.items():
+            target.load_state_dict(checkpoint[name])
+        return checkpoint
+
+    return load
+
+
 def _key(item: Any) -> str:
     """An id as the service names it: its string; a tensor element is read as its number."""
     return str(item.item() if hasattr(item, "item") else item)
 
 
-__all__ = ["Rollback", "handle_rollback"]
+__all__ = ["Rollback", "handle_rollback", "load_state_dicts"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from collectors import HookConfig, Rollback, RunHealth, RunHealthConfig, handle_rollback
+from collectors import HookConfig, Rollback, RunHealth, RunHealthConfig, handle_rollback, load_state_dicts
 from collectors.directives import DirectiveConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -92,15 +92,21 @@ class Trainer:
 
 
 def train_until_rollback(
-    rh: RunHealth, trainer: Trainer, transport: RollbackTransport, path: Path, **options: Any
-) -> tuple[Rollback[int], list[str]]:
+    rh: RunHealth,
+    trainer: Trainer,
+    transport: RollbackTransport,
+    path: Path,
+    restore: Any = None,
+    **options: Any,
+) -> tuple[Rollback[Any], list[str]]:
     """Windows until the helper carries out the rollback (the directive is armed by the sender
-    thread, so the loop waits for its first polls before the step it names)."""
+    thread, so the loop waits for its first polls before the step it names). ``restore``: the
+    load function (the trainer's own by default)."""
     loaded: list[str] = []
 
-    def load(where: str) -> int:
+    def load(where: str) -> Any:
         loaded.append(where)
-        return trainer.load(where)
+        return (restore or trainer.load)(where)
 
     deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline:
@@ -230,3 +236,20 @@ def test_the_skip_list_filters_batches_by_their_ids() -> None:
     assert not rollback.keeps(torch.tensor([5, 3])) and rollback.keeps(torch.tensor(4))
     batches = [{"ids": [1]}, {"ids": [3]}, {"ids": ["b-7", 8]}, {"ids": [9]}]
     assert list(rollback.skipping(batches, lambda b: b["ids"])) == [{"ids": [1]}, {"ids": [9]}]
+
+
+def test_a_checkpoint_of_state_dicts_needs_no_load_function_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    transport = RollbackTransport(path)
+    trainer = Trainer()
+    restore = load_state_dicts(model=trainer.model, optimizer=trainer.optimizer)
+    with hook(transport, tmp_path, trainer.model, trainer.optimizer) as rh:
+        rollback, _ = train_until_rollback(rh, trainer, transport, path, restore)
+        saved = torch.load(path)
+        assert rollback.loaded["step"] == 2  # the whole checkpoint dict comes back
+        for name, value in trainer.model.state_dict().items():
+            assert torch.equal(value, saved["model"][name])  # the weights of step 2, restored
+        assert trainer.optimizer.state_dict()["state"][0]["step"] == saved["optimizer"]["state"][0]["step"]
+    torch.save({"model": trainer.model.state_dict()}, tmp_path / "weights-only.pt")
+    with pytest.raises(KeyError, match="holds no optimizer"):
+        restore(str(tmp_path / "weights-only.pt"))
