@@ -336,15 +336,16 @@ def test_a_manual_optimization_module_attached_by_the_callback_line_stores_its_w
     assert module.dead_letters() == []
 
 
-def test_the_test_trainers_run_without_the_hook_too(workdir: Path) -> None:
-    """The baselines of the line count are real trainers, not stubs."""
-    environ = child_environ(HF_HUB_OFFLINE="1")
-    for command in (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(TRAINERS / "nanogpt_plain.py"), "--data_dir=data", "--max_iters=25"],
-        [sys.executable, str(TRAINERS / "hf_plain.py"), "--data_dir=data", "--max_steps=3"],
-        [sys.executable, str(TRAINERS / "lightning_plain.py"), "--data_dir=data", "--max_steps=3"],
-    ):  # fmt: skip
-        done = subprocess.run(command, cwd=workdir, env=environ, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+def test_the_nanogpt_baseline_runs_without_the_hook(workdir: Path) -> None:
+    """The baseline of the line count is a real trainer. (The other baselines differ from their
+    hooked copies, which run above, only in the lines the counter shows: it reports any other
+    difference as drift.)"""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(TRAINERS / "nanogpt_plain.py"), "--data_dir=data", "--max_iters=25",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=workdir, env=child_environ(), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (workdir / "out" / "ckpt.pt").is_file()  # rank 0 saved at iteration 20
