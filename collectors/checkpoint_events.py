@@ -10,6 +10,7 @@ ids.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -20,12 +21,15 @@ from collectors.accounting import WindowAccounting
 from collectors.agent import DirectiveAgent
 from collectors.checkpoints import checkpoint_location
 from collectors.config import RunHealthConfig
+from collectors.data_state import state_digest
 from collectors.guard import EntryErrors, guarded
 from collectors.manifests import ManifestJob, ManifestWorker
 from collectors.outbox import Outbox
 from collectors.restore import gather_restored
 from collectors.window import render_ids
 from policies.protocol import to_wire
+
+log = logging.getLogger("runhealth.collectors")
 
 
 @dataclass
@@ -134,11 +138,17 @@ class CheckpointEvents:
         scheduler: Any = None,
         scaler: Any = None,
         extra: Mapping[str, Any] | None = None,
+        data_state: Any = None,
+        deterministic_data: bool | None = None,
     ) -> None:
         """What a restart restored. Reads device values (moment norms, the scale): a sync,
         fine once at resume. Objects default to the watched ones. The step counter continues
-        from ``checkpoint_step`` (else the optimizer's step counter), ``consumed`` likewise;
-        the first batch's ids come from the first window unless given."""
+        from ``checkpoint_step`` (else the optimizer's step counter), ``consumed`` likewise
+        (unknown from a restored step without it); the first batch's ids come from the first
+        window unless given. The data position is checked on what can be restored: ``consumed``,
+        the digest of ``data_state`` (a ``StatefulDataLoader.state_dict()``, a sampler's state:
+        ``data_state.py``), and the sample ids only when ``deterministic_data`` (default
+        ``HookConfig.deterministic_data``) says the same batches follow a checkpoint every time."""
         windows = self._windows
         if windows.active and windows.attempt > 0:
             self._new_incarnation()  # restored in this process: what follows is a new start
@@ -158,13 +168,31 @@ class CheckpointEvents:
             windows.step = step
         if consumed is not None:
             windows.consumed = consumed
+        elif step:
+            windows.consumed = None  # counting on from this process's count would claim a reset
         restored.update(resumed_step=step, consumed=consumed)
+        restored["data"] = self._data_position(data_state, deterministic_data)
+        if checkpoint_path is not None:
+            checkpoint_path = checkpoint_location(checkpoint_path)  # as ``checkpoint_saved`` records it
         if first_sample_ids is not None:
             restored["first_sample_ids"] = render_ids(first_sample_ids, self._max_sample_ids)
         pending = PendingResume(to_wire(restored), checkpoint_path, checkpoint_step, self._clock())
         windows.pending_resume = pending  # the window's start sends it (``flush_resume``)
         if first_sample_ids is not None or windows.window is not None:
             self.flush_resume()
+
+    def _data_position(self, data_state: Any, deterministic: bool | None) -> dict[str, Any]:
+        """What the resume says of its data position. A state that cannot be digested is
+        logged and named in the record; the rest of the resume is still sent."""
+        declared = self._config.hook.deterministic_data if deterministic is None else deterministic
+        position: dict[str, Any] = {"deterministic": bool(declared)}
+        if data_state is not None:
+            try:
+                position["state_digest"] = state_digest(data_state)  # copies tensors to the host: once
+            except TypeError as error:
+                log.warning("runhealth hook: %s", error)
+                position["state_error"] = str(error)
+        return position
 
     def flush_resume(self) -> None:
         """Send the pending resume event, with the current window's first ids if it lacks them."""

@@ -55,6 +55,12 @@ class HookConfig:
     whose gradient norm is NaN or infinite is skipped on the device, without a host sync and
     without the service (``skip_update.py``; the optimizer must be fused or stepped by a
     GradScaler). Off by default: skipping an update changes the run, the user's choice.
+    ``deterministic_data``: False. Whether the same batches follow a checkpoint every time it is
+    restored (a fixed order, a seeded sampler fast-forwarded to the cursor); only then are the
+    sample ids after a resume compared with those the run saw after the checkpoint. A trainer
+    that draws at random after a restart (nanoGPT's ``get_batch``) draws other batches however
+    well it restored, so the default makes no such claim (``rh.resumed(deterministic_data=...)``
+    says it per resume).
     """
 
     shift_labels: bool = True
@@ -66,6 +72,7 @@ class HookConfig:
     canary_on_checkpoint: bool = False
     nonfinite_response: str = "none"
     manifest_settle_s: float = 1.0
+    deterministic_data: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sample_ids <= SAMPLE_ID_LIMIT:

@@ -12,22 +12,29 @@ from typing import Any
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
+# Parameter states whose moments are normed: lost moments are zero (or absent) in every state, so
+# a few tell, and reading a few tensors keeps a resume of a large model quick.
+MOMENT_SAMPLE = 16
+
 
 def optimizer_state(optimizer: Any) -> dict[str, Any]:
-    """Step counters and the global L2 norms of Adam's moments (``exp_avg``, ``exp_avg_sq``)."""
+    """How many parameters have state against how many the optimizer steps, step counters, and
+    the L2 norms of Adam's moments (``exp_avg``, ``exp_avg_sq``) over the first
+    ``MOMENT_SAMPLE`` parameter states."""
     steps: list[float] = []
     squares = dict.fromkeys(MOMENTS, 0.0)
     found = dict.fromkeys(MOMENTS, False)
-    for state in optimizer.state.values():
+    for index, state in enumerate(optimizer.state.values()):
         if "step" in state:
             steps.append(_number(state["step"]))
         for name in MOMENTS:
-            if name in state:
+            if name in state and index < MOMENT_SAMPLE:
                 # A sync per tensor: acceptable at resume, never on the step path.
                 squares[name] += float(state[name].detach().float().norm()) ** 2
                 found[name] = True
     restored: dict[str, Any] = {
         "param_states": len(optimizer.state),
+        "trainable_params": trainable_parameters(optimizer),
         "lr": [_number(group["lr"]) for group in optimizer.param_groups],
     }
     if steps:
@@ -37,6 +44,14 @@ def optimizer_state(optimizer: Any) -> dict[str, Any]:
         if found[name]:
             restored[f"{name}_norm"] = math.sqrt(squares[name])
     return restored
+
+
+def trainable_parameters(optimizer: Any) -> int:
+    """The parameters of the optimizer's groups that take gradients: each has state once it
+    was stepped."""
+    return sum(
+        1 for group in optimizer.param_groups for p in group["params"] if getattr(p, "requires_grad", True)
+    )
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any]:

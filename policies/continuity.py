@@ -9,6 +9,13 @@ its warm-up and the data cursor went back to zero. Two sources of evidence:
   run was means the loader restarted.
 - a resume record (``resume_findings``): what the trainer restored, compared with the
   checkpoint boundary it claims and with what the previous incarnation did next.
+
+The data position is judged on what the trainer can restore: the consumed-example cursor, the
+digest of a loader or sampler state it handed over, and the sample ids only when it declared its
+data order deterministic (a trainer that draws at random after a restart draws other batches
+however well it restored: the reference text's "exact replay demands strict control over ...
+sample batching"). A resume whose data position nothing can check gets one note
+(``data_order_note``), never a critical finding.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies.remedies import Remedy, with_remedy
 from policies.stats import median
 from policies.types import Finding, Severity, StepPoint
 
@@ -40,6 +48,11 @@ class ContinuityConfig:
       what it was, while the optimizer step is not (a real rollback moves both together).
     - ``lr_relative_tolerance`` 1%: a restored learning rate further than this from what the
       previous incarnation used at the next step did not continue its phase.
+    - ``param_state_fraction`` 1.0: the restored optimizer must hold state (moments, a step
+      counter) for every trainable parameter it steps: AdamW creates it at a parameter's first
+      update, so a checkpoint after step 1 has it for each one that ever had a gradient (the
+      reference text: "optimizer state includes the first and second gradient moments alongside
+      parameter step counters"). Lower it for a model with parameters that never get one.
     """
 
     initial_points: int = 5
@@ -49,6 +62,7 @@ class ContinuityConfig:
     trained_lr_ratio: float = 4.0
     cursor_fraction: float = 0.5
     lr_relative_tolerance: float = 0.01
+    param_state_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.initial_points < 1 or not 0 < self.untrained_fraction <= 1:
@@ -57,6 +71,8 @@ class ContinuityConfig:
             raise ValueError("ContinuityConfig: warmup_lr_ratio must be below trained_lr_ratio")
         if not 0 < self.cursor_fraction < 1 or self.lr_relative_tolerance < 0:
             raise ValueError("ContinuityConfig: 0 < cursor_fraction < 1, lr_relative_tolerance >= 0")
+        if not 0 < self.param_state_fraction <= 1:
+            raise ValueError("ContinuityConfig: 0 < param_state_fraction <= 1")
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,22 @@ class ResumeFacts:
     scheduler_last_epoch: int | None = None
     consumed: int | None = None
     first_sample_ids: tuple[Any, ...] | None = None
+    param_states: int | None = None
+    """Parameters the restored optimizer holds state for."""
+    trainable_params: int | None = None
+    """Parameters in the optimizer's groups that take gradients."""
+    deterministic_data: bool = False
+    """The trainer declared its data order reproducible: the same batches follow a checkpoint
+    every time it is restored (a fixed order, a seeded sampler fast-forwarded to the cursor)."""
+    data_state_digest: str | None = None
+    """sha256 of the loader or sampler state the trainer restored (``StatefulDataLoader``'s
+    ``state_dict()``, a sampler's state)."""
+
+    @property
+    def data_position_checkable(self) -> bool:
+        """Whether the batches after the resume can be told to be the ones that follow the
+        checkpoint: declared deterministic, or a restored data state to compare."""
+        return self.deterministic_data or self.data_state_digest is not None
 
 
 @dataclass(frozen=True)
@@ -221,11 +253,69 @@ class Expected:
     """The learning rate the previous incarnation used for the window after ``step``."""
     next_sample_ids: tuple[Any, ...] | None = None
     """The sample ids this rank saw in the window after ``step``, before the restart."""
+    data_state_digest: str | None = None
+    """The data-state digest an earlier resume of this checkpoint restored on this rank."""
+    after_rollback: int | None = None
+    """The rollback (its proposal) whose restore this resume is: what it finds, the restore a
+    rollback runs did, and another rollback would do again."""
+
+
+Problem = tuple[str, str, float | None, float | None, str]
+
+NOT_REPRODUCIBLE = "data order is not reproducible: continuity of the data position cannot be checked"
 
 
 def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityConfig) -> tuple[Finding, ...]:
-    problems: list[tuple[str, str, float | None, float | None, str]] = []
+    """Each piece of state this rank's resume did not restore; after a rollback, each says a
+    rollback is not its remedy."""
+    problems = (
+        _optimizer_problems(facts, expected, config)
+        + _schedule_problems(facts, expected, config)
+        + _data_problems(facts, expected)
+    )
+    findings = tuple(
+        Finding(
+            step=expected.step + 1,
+            kind=kind,
+            severity=Severity.CRITICAL,
+            signal=signal,
+            value=value,
+            threshold=threshold,
+            message=f"rank {facts.rank}: {message}",
+            incarnation=facts.incarnation,
+            rank=facts.rank,
+            evidence={"checkpoint_step": expected.step},
+        )
+        for kind, signal, value, threshold, message in problems
+    )
+    if expected.after_rollback is None:
+        return findings
+    why = (
+        f"the resume of rollback proposal {expected.after_rollback}: another rollback restores "
+        "through the same code, so the trainer's restore must change"
+    )
+    return tuple(with_remedy(finding, Remedy.FIX_RESTORE, why) for finding in findings)
+
+
+def _optimizer_problems(facts: ResumeFacts, expected: Expected, config: ContinuityConfig) -> list[Problem]:
+    """Lost optimizer or schedule state, whatever the learning rate says."""
+    problems: list[Problem] = []
     if expected.step > 0:
+        if (
+            facts.param_states is not None
+            and facts.trainable_params
+            and facts.param_states < config.param_state_fraction * facts.trainable_params
+        ):
+            problems.append(
+                (
+                    "optimizer_state_lost",
+                    "param_states",
+                    float(facts.param_states),
+                    float(facts.trainable_params),
+                    f"the optimizer holds {facts.trainable_params} trainable parameters but restored "
+                    f"state (moments, step counters) for {facts.param_states}",
+                )
+            )
         if facts.optimizer_step == 0:
             problems.append(
                 (
@@ -247,26 +337,19 @@ def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityCo
                     f"Adam moments restored with zero norm ({', '.join(zero_moments)})",
                 )
             )
-        if facts.scheduler_last_epoch == 0:
-            problems.append(
-                (
-                    "schedule_restarted",
-                    "scheduler_last_epoch",
-                    0.0,
-                    float(expected.step),
-                    "scheduler restored at epoch 0: warm-up starts over",
-                )
-            )
-    if expected.consumed is not None and facts.consumed is not None and facts.consumed != expected.consumed:
-        kind = "data_cursor_reset" if facts.consumed == 0 else "data_cursor_mismatch"
+    return problems
+
+
+def _schedule_problems(facts: ResumeFacts, expected: Expected, config: ContinuityConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    if expected.step > 0 and facts.scheduler_last_epoch == 0:
         problems.append(
             (
-                kind,
-                "consumed",
-                float(facts.consumed),
-                float(expected.consumed),
-                f"data cursor restored at {facts.consumed} consumed examples; the checkpoint "
-                f"says {expected.consumed}",
+                "schedule_restarted",
+                "scheduler_last_epoch",
+                0.0,
+                float(expected.step),
+                "scheduler restored at epoch 0: warm-up starts over",
             )
         )
     if expected.next_lr is not None and _finite(facts.lr) and expected.next_lr > 0:
@@ -282,8 +365,44 @@ def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityCo
                     "after this checkpoint",
                 )
             )
+    return problems
+
+
+def _data_problems(facts: ResumeFacts, expected: Expected) -> list[Problem]:
+    """The data position, on what the trainer can restore: the cursor always, the data state
+    when an earlier restore of this checkpoint gave one, the sample ids only when declared
+    deterministic."""
+    problems: list[Problem] = []
+    if expected.consumed is not None and facts.consumed is not None and facts.consumed != expected.consumed:
+        kind = "data_cursor_reset" if facts.consumed == 0 else "data_cursor_mismatch"
+        problems.append(
+            (
+                kind,
+                "consumed",
+                float(facts.consumed),
+                float(expected.consumed),
+                f"data cursor restored at {facts.consumed} consumed examples; the checkpoint "
+                f"says {expected.consumed}",
+            )
+        )
     if (
-        expected.next_sample_ids is not None
+        facts.data_state_digest is not None
+        and expected.data_state_digest is not None
+        and facts.data_state_digest != expected.data_state_digest
+    ):
+        problems.append(
+            (
+                "data_cursor_mismatch",
+                "data_state",
+                None,
+                None,
+                f"data state restored as {facts.data_state_digest[:12]}; an earlier restore of this "
+                f"checkpoint gave {expected.data_state_digest[:12]}",
+            )
+        )
+    if (
+        facts.deterministic_data
+        and expected.next_sample_ids is not None
         and facts.first_sample_ids is not None
         and facts.first_sample_ids != expected.next_sample_ids[: len(facts.first_sample_ids)]
     ):
@@ -297,28 +416,42 @@ def resume_findings(facts: ResumeFacts, expected: Expected, config: ContinuityCo
                 f"ones that followed the checkpoint {list(expected.next_sample_ids)[:4]}",
             )
         )
-    return tuple(
-        Finding(
-            step=expected.step + 1,
-            kind=kind,
-            severity=Severity.CRITICAL,
-            signal=signal,
-            value=value,
-            threshold=threshold,
-            message=f"rank {facts.rank}: {message}",
-            incarnation=facts.incarnation,
-            rank=facts.rank,
-            evidence={"checkpoint_step": expected.step},
-        )
-        for kind, signal, value, threshold, message in problems
+    return problems
+
+
+def data_order_note(facts: Sequence[ResumeFacts], checkpoint_step: int) -> Finding | None:
+    """One note for a resume (all its ranks) whose data position nothing can check: no rank
+    declared its data order deterministic or handed over its data state. Info: it opens no
+    incident and proposes nothing (a rollback cannot make random draws repeat)."""
+    unchecked = sorted(f.rank for f in facts if not f.data_position_checkable)
+    if not unchecked:
+        return None
+    return Finding(
+        step=checkpoint_step + 1,
+        kind="data_order_not_reproducible",
+        severity=Severity.INFO,
+        signal="sample_ids",
+        value=None,
+        threshold=None,
+        message=NOT_REPRODUCIBLE,
+        incarnation=facts[0].incarnation,
+        evidence={
+            "checkpoint_step": checkpoint_step,
+            "ranks": len(unchecked),
+            "first_ranks": unchecked[:16],
+            "cursor_checked": any(f.consumed is not None for f in facts),
+            "to_check_it": "rh.resumed(deterministic_data=True) or rh.resumed(data_state=...)",
+        },
     )
 
 
 __all__ = [
+    "NOT_REPRODUCIBLE",
     "ContinuityConfig",
     "ContinuityState",
     "Expected",
     "ResumeFacts",
+    "data_order_note",
     "lost_weights_detected",
     "observe_continuity",
     "resume_findings",

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from policies.checkpoints import CheckpointFacts, rejected_reasons, rewind_target
 from policies.diagnosis import Diagnosis, Verdict
+from policies.remedies import REMEDY_OF_KIND, Remedy, kind_remedy
 from policies.retries import RetryDecision
 
 
@@ -26,11 +27,8 @@ class ContinuationPolicy(StrEnum):
     trajectory; it is not an exact recovery)."""
 
 
-# Incident kinds a rollback can help: the model state after the first affected step is
-# suspect. A straggler, a hang or a link warning needs a different remedy.
-RECOVERABLE_KINDS = frozenset(
-    {"spike", "level_shift", "nonfinite", "amp", "broken_resume", "device", "canary"}
-)
+# Incident kinds a rollback can help, by their rule (``policies.remedies``).
+RECOVERABLE_KINDS = frozenset(kind for kind, remedy in REMEDY_OF_KIND.items() if remedy is Remedy.ROLLBACK)
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,9 @@ class IncidentFacts:
     current_step: int
     batches: tuple[str, ...] = ()
     """Batch or sample ids of the affected windows (the skip candidates)."""
+    remedy: Remedy | None = None
+    """What its findings say remedies it (``policies.remedies.incident_remedy``); ``None``:
+    the kind's rule."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,10 @@ def propose(
     retry: RetryDecision,
     config: ProposalConfig,
 ) -> Proposal | None:
-    """The proposal for a recoverable incident, or ``None`` when rollback is not the remedy."""
-    if incident.kind not in RECOVERABLE_KINDS:
+    """The proposal for a recoverable incident, or ``None`` when rollback is not the remedy
+    (by the incident's kind, or because its findings say a rollback was seen not to fix it)."""
+    remedy = incident.remedy if incident.remedy is not None else kind_remedy(incident.kind)
+    if remedy is not Remedy.ROLLBACK:
         return None
     hardware = diagnosis.verdict is Verdict.HARDWARE
     data_action, skip, why_data = _data_action(incident, diagnosis, config)

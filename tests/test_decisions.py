@@ -249,6 +249,104 @@ def test_a_missed_step_is_reissued_then_all_done_and_a_clean_resume_resolves(
     assert "directive_reissued" in actions
 
 
+def resumes(tmp_path: Path, step: int, **restored: Any) -> list[dict[str, Any]]:
+    """The new incarnation's start and both ranks' resume records from ``ckpt-STEP``, what they
+    restored faithful unless ``restored`` says otherwise; the first batches drawn at random."""
+    faithful = {
+        "optimizer": {"param_states": 6, "trainable_params": 6, "optimizer_step_max": step, "lr": [1e-3]},
+        "exp_avg_norm": 0.1,
+        "exp_avg_sq_norm": 0.01,
+        "scheduler_last_epoch": step,
+        "consumed": 8 * step,
+    }
+    return [{"kind": "run_start", "incarnation": NEW_INCARNATION, "time": 600.0, "world_size": 2}] + [
+        {
+            "kind": "resume",
+            "incarnation": NEW_INCARNATION,
+            "rank": r,
+            "time": 600.0,
+            "checkpoint_path": str(tmp_path / f"ckpt-{step}"),
+            "restored": {**faithful, **restored, "first_sample_ids": [f"random-{r}-{step * 31 % 17}"]},
+        }
+        for r in range(2)
+    ]
+
+
+def findings_of(store: Engine, run: RunHandle) -> list[dict[str, Any]]:
+    with store.connect() as connection:
+        table = models.table_of(models.FindingRow)
+        rows = connection.execute(sa.select(table).where(table.c.run_id == run.id).order_by(table.c.id))
+        return [dict(row) for row in rows.mappings()]
+
+
+def test_a_rollback_whose_resume_verifies_resolves_its_incident_whatever_arrives_first(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    directive = service.decisions.approve(proposal["id"], "alice", "go").proposal["directive"]
+    post(service, run, [ack(directive, 0, "done", 80)])
+    # Every rank's resume record comes before the last rank's answer.
+    post(service, run, resumes(tmp_path, 20))
+    with store.connect() as connection:
+        assert queries.get_incident(connection, proposal["incident"])["status"] == "open"
+    post(service, run, [ack(directive, 1, "done", 80)])
+    with store.connect() as connection:
+        incident = queries.get_incident(connection, proposal["incident"])
+        (done,) = list_proposals(connection, run.name)
+    assert (incident["status"], done["status"]) == ("resolved", "done")
+    story = incident["story"]
+    assert [e["action"] for e in story][-2:] == ["resume_verified", "incident_resolved"]
+    assert story[-2]["details"]["verdict"] == "passed" and story[-2]["details"]["ranks"] == 2
+    # The first batches drawn at random after the restart are one note, not a failed check.
+    after = [f for f in findings_of(store, run) if f["incarnation"] == NEW_INCARNATION]
+    assert [(f["kind"], f["severity"]) for f in after] == [("data_order_not_reproducible", "info")]
+
+
+def test_a_resume_check_failing_after_a_rollback_proposes_no_second_rollback(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)
+    directive = service.decisions.approve(proposal["id"], "alice", "go").proposal["directive"]
+    post(service, run, [ack(directive, 0, "done", 80), ack(directive, 1, "done", 80)])
+    # The rollback's own restore loses the optimizer's state (the learning rate is intact).
+    lost = {"param_states": 0, "trainable_params": 6, "lr": [1e-3]}
+    post(service, run, resumes(tmp_path, 20, optimizer=lost))
+    with store.connect() as connection:
+        spike = queries.get_incident(connection, proposal["incident"])
+        proposals = list_proposals(connection, run.name)
+        broken = connection.execute(
+            sa.select(models.Incident.id, models.Incident.status, models.Incident.severity).where(
+                models.Incident.run_id == run.id, models.Incident.kind == "broken_resume"
+            )
+        ).all()
+    assert spike["status"] == "open"
+    assert spike["story"][-1]["action"] == "resume_verified"
+    assert spike["story"][-1]["details"]["verdict"] == "failed"
+    (incident,) = broken
+    assert (incident.status, incident.severity) == ("open", "critical")
+    lost_state = [f for f in findings_of(store, run) if f["kind"] == "optimizer_state_lost"]
+    assert len(lost_state) == 2 and all(f["evidence"]["remedy"] == "fix_restore" for f in lost_state)
+    assert "rollback proposal" in lost_state[0]["message"]
+    assert [p["id"] for p in proposals] == [proposal["id"]]  # none for the broken resume
+    # More evidence on it later still proposes nothing: no loop.
+    post(service, run, spiky_windows(range(21, 30), incarnation=NEW_INCARNATION))
+    assert service.decisions.consider(run.id, [incident.id]) == []
+    with store.connect() as connection:
+        assert [p["id"] for p in list_proposals(connection, run.name)] == [proposal["id"]]
+
+
+def test_the_same_broken_resume_by_hand_is_rolled_back(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(service, run, [checkpoint(tmp_path, 20), *spiky_windows(range(1, 40))])
+    post(service, run, resumes(tmp_path, 20, optimizer={"param_states": 0, "trainable_params": 6}))
+    with store.connect() as connection:
+        (proposal,) = list_proposals(connection, run.name)
+    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 20)
+    assert proposal["evidence"]["incident"]["kind"] == "broken_resume"
+
+
 def test_retries_are_bounded_per_incident(store: Engine, run: RunHandle, tmp_path: Path) -> None:
     config = ServiceConfig(
         admin_token=ADMIN_TOKEN, decisions=DecisionConfig(retries=RetryConfig(per_incident=1))

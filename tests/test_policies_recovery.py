@@ -21,7 +21,9 @@ from policies.proposals import (
     act_at_step,
     propose,
 )
+from policies.remedies import Remedy, incident_remedy, stated_remedy, with_remedy
 from policies.retries import RetryConfig, RetryDecision, Rollback, may_roll_back
+from policies.types import Finding, Severity
 
 checkpoint_sets = st.lists(
     st.builds(
@@ -193,6 +195,30 @@ def test_no_rollback_for_kinds_it_cannot_help_and_auto_approve_is_opt_in() -> No
         ProposalConfig(auto_approve=frozenset({"spike"})),
     )
     assert auto is not None and auto.auto_approve is True
+
+
+def test_a_finding_whose_remedy_is_not_a_rollback_proposes_none() -> None:
+    resume = IncidentFacts(key=2, kind="broken_resume", first_step=201, last_step=201, current_step=205)
+    evidence = diagnose(Evidence())
+    restored_by_hand = propose(resume, CHECKPOINTS, {}, evidence, ALLOWED, ProposalConfig())
+    assert restored_by_hand is not None and restored_by_hand.action == "rollback"
+    after_rollback = IncidentFacts(**{**resume.__dict__, "remedy": Remedy.FIX_RESTORE})
+    assert propose(after_rollback, CHECKPOINTS, {}, evidence, ALLOWED, ProposalConfig()) is None
+    # Escalation is no way around it either: nothing is proposed past the retry bound.
+    denied = RetryDecision(False, "bound reached")
+    assert propose(after_rollback, CHECKPOINTS, {}, evidence, denied, ProposalConfig()) is None
+
+
+def test_an_incident_takes_its_kinds_remedy_unless_a_finding_says_a_rollback_did_not_fix_it() -> None:
+    lost = Finding(1841, "optimizer_state_lost", Severity.CRITICAL, "param_states", 0.0, 12.0, "rank 0: lost")
+    marked = with_remedy(lost, Remedy.FIX_RESTORE, "the resume of rollback proposal 3")
+    assert marked.message.endswith("(the resume of rollback proposal 3)")
+    assert stated_remedy(marked.evidence) is Remedy.FIX_RESTORE
+    assert stated_remedy(lost.evidence) is None and stated_remedy({"remedy": "reboot"}) is None
+    assert incident_remedy("broken_resume", [None, None]) is Remedy.ROLLBACK
+    assert incident_remedy("broken_resume", [None, Remedy.FIX_RESTORE]) is Remedy.FIX_RESTORE
+    assert incident_remedy("spike", [Remedy.ROLLBACK]) is Remedy.ROLLBACK
+    assert incident_remedy("straggler", []) is Remedy.NONE
 
 
 @pytest.mark.parametrize(

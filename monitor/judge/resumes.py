@@ -1,4 +1,10 @@
-"""Resume records against the checkpoint they claim and what the previous incarnation did next."""
+"""Resume records against the checkpoint they claim and what the previous incarnation did next.
+
+A resume that is the restore of an approved rollback is known as such (``rollback_awaiting``):
+what its check finds, the rollback's own restore did, so it proposes no other rollback. A resume
+whose data position nothing can check gets one note per incarnation, however many ranks and
+batches its records came in.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,22 @@ from sqlalchemy.engine import Connection
 
 from monitor.judge.readings import resume_facts
 from monitor.store import models
-from policies.continuity import ContinuityConfig, Expected, resume_findings
+from policies.continuity import ContinuityConfig, Expected, ResumeFacts, data_order_note, resume_findings
+from policies.proposal_lifecycle import ProposalStatus
 from policies.types import Finding, Severity
 
 CHECKPOINT = models.table_of(models.CheckpointEvent)
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
+RESUME = models.table_of(models.ResumeEvent)
+PROPOSAL = models.table_of(models.Proposal)
+FINDING = models.table_of(models.FindingRow)
+AUDIT = models.table_of(models.AuditEntry)
+
+# A rollback is carried out from its approval (the directive goes out) until every rank said done.
+CARRIED_OUT = (ProposalStatus.EXECUTING.value, ProposalStatus.DONE.value)
+VERIFIED = "resume_verified"
+NOTE_KIND = "data_order_not_reproducible"
 
 # More ranks than this with the same problem are reported once, as a count.
 MAX_NAMED_RANKS = 8
@@ -25,13 +41,70 @@ def judge_resumes(
     connection: Connection, run_id: int, rows: Sequence[dict[str, Any]], config: ContinuityConfig
 ) -> list[Finding]:
     findings: list[Finding] = []
+    resumes: dict[tuple[str, int], list[ResumeFacts]] = {}
     for row in rows:
         expected = _expected(connection, run_id, row)
         if expected is None:
             continue
         facts = resume_facts(row["incarnation"], row["rank"], expected.step, row["restored"])
         findings += resume_findings(facts, expected, config)
-    return _aggregate(findings)
+        resumes.setdefault((row["incarnation"], expected.step), []).append(facts)
+    return _aggregate(findings) + _notes(connection, run_id, resumes)
+
+
+def rollback_awaiting(connection: Connection, run_id: int, row: dict[str, Any]) -> Any:
+    """The approved rollback whose restore this resume record is, or None: one carried out to
+    the checkpoint the record names (its path or its step), approved before the record arrived,
+    whose resume was not verified yet."""
+    targets = []
+    if row.get("checkpoint_path"):
+        targets.append(PROPOSAL.c.target_path == row["checkpoint_path"])
+    if row.get("checkpoint_step") is not None:
+        targets.append(PROPOSAL.c.target_step == row["checkpoint_step"])
+    if not targets:
+        return None
+    candidates = connection.execute(
+        sa.select(PROPOSAL)
+        .where(
+            PROPOSAL.c.run_id == run_id,
+            PROPOSAL.c.action == "rollback",
+            PROPOSAL.c.status.in_(CARRIED_OUT),
+            PROPOSAL.c.decided_at <= row["received_at"],
+            sa.or_(*targets),
+        )
+        .order_by(PROPOSAL.c.id.desc())
+    ).mappings()
+    return next((p for p in candidates if not resume_verified(connection, p["id"])), None)
+
+
+def resume_verified(connection: Connection, proposal_id: int) -> bool:
+    """Whether the resume after this rollback was judged (passed or failed) already."""
+    entry = connection.execute(
+        sa.select(AUDIT.c.seq)
+        .where(AUDIT.c.action == VERIFIED, AUDIT.c.subject == f"proposal:{proposal_id}")
+        .limit(1)
+    ).first()
+    return entry is not None
+
+
+def _notes(
+    connection: Connection, run_id: int, resumes: dict[tuple[str, int], list[ResumeFacts]]
+) -> list[Finding]:
+    """One note per incarnation whose data position cannot be checked (its resume records may
+    come in several batches: a note stored already is not repeated)."""
+    notes = []
+    for (incarnation, step), facts in resumes.items():
+        noted = connection.execute(
+            sa.select(FINDING.c.id)
+            .where(
+                FINDING.c.run_id == run_id, FINDING.c.incarnation == incarnation, FINDING.c.kind == NOTE_KIND
+            )
+            .limit(1)
+        ).first()
+        note = None if noted is not None else data_order_note(facts, step)
+        if note is not None:
+            notes.append(note)
+    return notes
 
 
 def _checkpoint(connection: Connection, run_id: int, row: dict[str, Any]) -> Any:
@@ -72,12 +145,35 @@ def _expected(connection: Connection, run_id: int, row: dict[str, Any]) -> Expec
         ).scalar()
         next_ids = tuple(ids) if ids else None
     consumed = checkpoint["consumed"] if checkpoint is not None else None
+    rollback = rollback_awaiting(connection, run_id, row)
     return Expected(
         step=step,
         consumed=consumed,
         next_lr=after.lr if after is not None else None,
         next_sample_ids=next_ids,
+        data_state_digest=_earlier_data_state(connection, run_id, row, step),
+        after_rollback=rollback["id"] if rollback is not None else None,
     )
+
+
+def _earlier_data_state(connection: Connection, run_id: int, row: dict[str, Any], step: int) -> str | None:
+    """The data-state digest this rank restored the last time it resumed from this checkpoint
+    (same path and step): one checkpoint restores one data state."""
+    earlier = connection.execute(
+        sa.select(RESUME.c.incarnation, RESUME.c.restored)
+        .where(
+            RESUME.c.run_id == run_id,
+            RESUME.c.rank == row["rank"],
+            RESUME.c.incarnation != row["incarnation"],
+            RESUME.c.checkpoint_path == row.get("checkpoint_path"),
+            RESUME.c.checkpoint_step == step,
+        )
+        .order_by(RESUME.c.id.desc())
+    )
+    digests = (
+        resume_facts(i, row["rank"], step, restored or {}).data_state_digest for i, restored in earlier
+    )
+    return next((digest for digest in digests if digest is not None), None)
 
 
 def _aggregate(findings: list[Finding]) -> list[Finding]:
@@ -101,6 +197,7 @@ def _aggregate(findings: list[Finding]) -> list[Finding]:
                 incarnation=first.incarnation,
                 message=f"{len(group)} ranks: {first.message.split(': ', 1)[-1]}",
                 evidence={
+                    **first.evidence,
                     "ranks": len(group),
                     "first_ranks": sorted(f.rank for f in group if f.rank is not None)[:16],
                 },

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import close_incident
+from monitor.judge.resumes import resume_verified, rollback_awaiting
 from monitor.recovery import checkpoints, directives, responses
 from monitor.recovery.config import DecisionConfig
 from monitor.recovery.evidence import incident_evidence
@@ -41,6 +42,7 @@ from policies.proposal_lifecycle import (
     Supersede,
 )
 from policies.proposals import IncidentFacts, Proposal, propose
+from policies.remedies import Remedy, incident_remedy, stated_remedy
 from policies.retries import Rollback, may_roll_back
 
 PROPOSAL = models.table_of(models.Proposal)
@@ -53,10 +55,18 @@ INCARNATION = models.table_of(models.Incarnation)
 FINDING = models.table_of(models.FindingRow)
 RUN = models.table_of(models.Run)
 RESUME = models.table_of(models.ResumeEvent)
-AUDIT = models.table_of(models.AuditEntry)
 
 # How many windows' batch ids a skip proposal may name.
 MAX_SKIP_WINDOWS = 8
+
+# Findings on a resume that fail its continuity check (a note on the data order does not).
+RESUME_PROBLEMS = (
+    "schedule_restarted",
+    "data_cursor_reset",
+    "data_cursor_mismatch",
+    "optimizer_state_lost",
+    "broken_resume",
+)
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,7 @@ class Decisions:
             last_step=incident["last_step"],
             current_step=self._highest_step(connection, run_id),
             batches=self._batches(connection, run_id, incident),
+            remedy=self._remedy(connection, incident),
         )
         diagnosis = diagnose(incident_evidence(connection, incident))
         if incident["kind"] == "canary" and diagnosis.verdict is not Verdict.HARDWARE:
@@ -268,6 +279,14 @@ class Decisions:
             )
         ).all()
         return [Rollback(r.incident_id, r.decided_at or 0.0) for r in rows]
+
+    def _remedy(self, connection: Connection, incident: Any) -> Remedy:
+        """What the incident's findings say remedies it: a finding that a rollback's own
+        restore raised says it is not another rollback."""
+        evidence = connection.execute(
+            sa.select(FINDING.c.evidence).where(FINDING.c.incident_id == incident["id"])
+        ).scalars()
+        return incident_remedy(incident["kind"], (stated_remedy(e) for e in evidence))
 
     def _highest_step(self, connection: Connection, run_id: int) -> int:
         return int(
@@ -525,9 +544,9 @@ class Decisions:
         wanted = directive["ranks"] or range(self._world(connection, run_id, []))
         return directive_lifecycle.settle_simple({a.rank for a in acks}, wanted)
 
-    def _all_resumed(self, connection: Connection, run_id: int, incarnation: str, proposal: Any) -> bool:
-        """Every rank of the new incarnation has said what it restored, and this resume was not
-        judged yet (resume records arrive in several batches)."""
+    def _all_resumed(self, connection: Connection, run_id: int, incarnation: str) -> bool:
+        """Every rank of the new incarnation has said what it restored (resume records arrive in
+        several batches)."""
         resumed = connection.execute(
             sa.select(sa.func.count())
             .select_from(RESUME)
@@ -538,12 +557,7 @@ class Decisions:
                 INCARNATION.c.run_id == run_id, INCARNATION.c.incarnation == incarnation
             )
         ).scalar()
-        judged = connection.execute(
-            sa.select(AUDIT.c.seq)
-            .where(AUDIT.c.action == "resume_verified", AUDIT.c.subject == f"proposal:{proposal['id']}")
-            .limit(1)
-        ).first()
-        return judged is None and resumed >= (world or 1)
+        return bool(resumed >= (world or 1))
 
     def _world(self, connection: Connection, run_id: int, acks: Sequence[Any]) -> int:
         return queries.newest_world_size(connection, run_id) or len(acks)
@@ -576,9 +590,10 @@ class Decisions:
         effect: DirectiveEffect,
         now: float,
     ) -> None:
-        """The rollback's proposal executed or failed with its directive."""
+        """The rollback's proposal executed or failed with its directive. Executed, its resume
+        is verified at once when every rank's resume record came before the last answer."""
+        executed = effect is DirectiveEffect.ROLLBACK_EXECUTED
         if proposal_id is not None:
-            executed = effect is DirectiveEffect.ROLLBACK_EXECUTED
             self._move_proposal(connection, proposal_id, RollbackExecuted() if executed else RollbackFailed())
         audit.append(
             connection,
@@ -589,6 +604,8 @@ class Decisions:
             run_id=directive["run_id"],
             incident_id=directive["incident_id"],
         )
+        if executed and proposal_id is not None:
+            self._verify_resume(connection, directive["run_id"], proposal_id, now)
 
     def _move_proposal(self, connection: Connection, proposal_id: int, event: ProposalEvent) -> None:
         """Persist an engine-driven move; a proposal the lifecycle says cannot take it (it was
@@ -615,68 +632,85 @@ class Decisions:
         if not rows:
             return
         now = self._clock()
-        incarnation = rows[0]["incarnation"]
         with self._lock, self._engine.begin() as connection:
-            done = (
-                connection.execute(
-                    sa.select(PROPOSAL)
-                    .where(
-                        PROPOSAL.c.run_id == run_id,
-                        PROPOSAL.c.status == ProposalStatus.DONE.value,
-                        PROPOSAL.c.target_path.in_({r.get("checkpoint_path") for r in rows}),
-                    )
-                    .order_by(PROPOSAL.c.id.desc())
-                    .limit(1)
-                )
-                .mappings()
-                .first()
+            claimed = {
+                p["id"] for row in rows if (p := rollback_awaiting(connection, run_id, row)) is not None
+            }
+            for proposal_id in sorted(claimed):
+                self._verify_resume(connection, run_id, proposal_id, now)
+
+    def _verify_resume(self, connection: Connection, run_id: int, proposal_id: int, now: float) -> None:
+        """Judge the resume a carried-out rollback led to, once: when the proposal is done (every
+        rank answered) and every rank of the new incarnation said what it restored, whichever
+        came last. Clean, the incident is resolved."""
+        done = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()
+        if (
+            done is None
+            or done["status"] != ProposalStatus.DONE.value
+            or resume_verified(connection, proposal_id)
+        ):
+            return
+        incarnation = self._resumed_incarnation(connection, run_id, done)
+        if incarnation is None or not self._all_resumed(connection, run_id, incarnation):
+            return
+        problems = connection.execute(
+            sa.select(FINDING.c.kind, FINDING.c.message).where(
+                FINDING.c.run_id == run_id,
+                FINDING.c.incarnation == incarnation,
+                FINDING.c.kind.in_(RESUME_PROBLEMS),
             )
-            if done is None or not self._all_resumed(connection, run_id, incarnation, done):
-                return
-            problems = connection.execute(
-                sa.select(FINDING.c.kind, FINDING.c.message).where(
-                    FINDING.c.run_id == run_id,
-                    FINDING.c.incarnation == incarnation,
-                    FINDING.c.kind.in_(
-                        (
-                            "schedule_restarted",
-                            "data_cursor_reset",
-                            "data_cursor_mismatch",
-                            "optimizer_state_lost",
-                            "broken_resume",
-                        )
-                    ),
-                )
-            ).all()
-            verdict = "failed" if problems else "passed"
-            audit.append(
-                connection,
-                actor="engine",
-                action="resume_verified",
-                subject=f"proposal:{done['id']}",
-                now=now,
-                run_id=run_id,
-                incident_id=done["incident_id"],
-                reason=f"continuity {verdict} against {done['target_path']} (step {done['target_step']})",
-                details={
-                    "verdict": verdict,
-                    "incarnation": incarnation,
-                    "ranks": len(rows),
-                    "problems": [p.message for p in problems[:8]],
-                },
+        ).all()
+        verdict = "failed" if problems else "passed"
+        resumed = connection.execute(
+            sa.select(sa.func.count())
+            .select_from(RESUME)
+            .where(RESUME.c.run_id == run_id, RESUME.c.incarnation == incarnation)
+        ).scalar_one()
+        audit.append(
+            connection,
+            actor="engine",
+            action="resume_verified",
+            subject=f"proposal:{done['id']}",
+            now=now,
+            run_id=run_id,
+            incident_id=done["incident_id"],
+            reason=f"continuity {verdict} against {done['target_path']} (step {done['target_step']})",
+            details={
+                "verdict": verdict,
+                "incarnation": incarnation,
+                "ranks": resumed,
+                "problems": [p.message for p in problems[:8]],
+            },
+        )
+        if problems:
+            return
+        close_incident(connection, done["incident_id"], now)
+        audit.append(
+            connection,
+            actor="engine",
+            action="incident_resolved",
+            subject=f"incident:{done['incident_id']}",
+            now=now,
+            run_id=run_id,
+            incident_id=done["incident_id"],
+            reason="rolled back and resumed with continuity verified",
+        )
+
+    def _resumed_incarnation(self, connection: Connection, run_id: int, proposal: Any) -> str | None:
+        """The incarnation that resumed from the rollback's checkpoint after its approval."""
+        return connection.execute(
+            sa.select(RESUME.c.incarnation)
+            .where(
+                RESUME.c.run_id == run_id,
+                RESUME.c.received_at >= proposal["decided_at"],
+                sa.or_(
+                    RESUME.c.checkpoint_path == proposal["target_path"],
+                    RESUME.c.checkpoint_step == proposal["target_step"],
+                ),
             )
-            if not problems:
-                close_incident(connection, done["incident_id"], now)
-                audit.append(
-                    connection,
-                    actor="engine",
-                    action="incident_resolved",
-                    subject=f"incident:{done['incident_id']}",
-                    now=now,
-                    run_id=run_id,
-                    incident_id=done["incident_id"],
-                    reason="rolled back and resumed with continuity verified",
-                )
+            .order_by(RESUME.c.id.desc())
+            .limit(1)
+        ).scalar()
 
 
 def _approval(row: sa.RowMapping) -> Approve:
