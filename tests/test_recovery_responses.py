@@ -14,8 +14,10 @@ from monitor.config import ServiceConfig
 from monitor.recovery.config import DecisionConfig
 from monitor.recovery.decisions import list_proposals
 from monitor.service import Service
+from monitor.settings import service_config
 from monitor.store import audit, models
 from policies.responses import ResponseConfig
+from policies.setting_error import ConfigError
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, checkpoint, post, spiky_windows
 
 DIRECTIVE = models.table_of(models.Directive)
@@ -196,3 +198,15 @@ def test_a_trainers_own_skipped_updates_are_recorded_once_in_the_story(
         return
     (entry,) = skips
     assert entry["actor"] == "trainer" and entry["details"]["skipped_windows"] == 3
+
+
+def test_the_response_is_a_service_setting_under_policies() -> None:
+    config = service_config(
+        {
+            "RUNHEALTH_POLICIES__RESPONSE__NONFINITE": "hold",
+            "RUNHEALTH_POLICIES__RESPONSE__HOLD_TIMEOUT_S": "90",
+        }
+    )
+    assert config.decisions.responses == ResponseConfig(nonfinite="hold", hold_timeout_s=90.0)
+    with pytest.raises(ConfigError, match="RUNHEALTH_POLICIES__RESPONSE__SPIKE"):
+        service_config({"RUNHEALTH_POLICIES__RESPONSE__SPIKE": "skip_update"})
