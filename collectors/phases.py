@@ -62,7 +62,9 @@ class CpuStamps:
     """CPU, several ranks: the training thread's CPU time. On a GPU the device's own clock times
     its work; on the CPU the thread's CPU time is that clock's analog: a rank the OS gives less
     of a shared core is not a slow device, and time blocked in a collective (gloo waits, it does
-    not spin) is not compute. Data wait is wall time, measured apart (``RunHealth.windows``).
+    not spin) is not compute. Data wait is wall time, measured apart (``RunHealth.windows``),
+    and each phase's wall time is sent beside its CPU time (``wall_durations``): a rank that
+    sleeps, waits on I/O or is preempted uses no CPU while it waits, and shows only there.
     Reading it is a system call, about 7 us right after a training step on the reference CPU
     (0.4 us warm), four times a step: paid only where ranks are compared (``stamps_for``)."""
 
@@ -125,6 +127,20 @@ def durations(marks: Sequence[Mark], complete: bool, stamps: Stamps) -> dict[Pha
 TIMED = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
 
+def wall_durations(marks: Sequence[Mark], complete: bool) -> dict[Phase, float] | None:
+    """Wall seconds per timed phase, from the ``perf_counter`` reading every mark carries
+    anyway (no clock read of its own); None when the marks are incomplete. Sent beside thread
+    CPU phases (``PhaseClock.wall_apart``): a rank that waits (sleeps, blocks on I/O, is
+    preempted) shows in wall time only."""
+    if not complete or len(marks) < 2:
+        return None
+    spent = dict.fromkeys(TIMED, 0.0)
+    for (phase, start, _), (_, end, _) in itertools.pairwise(marks):
+        if phase in spent:
+            spent[phase] += end - start
+    return spent
+
+
 class PhaseClock:
     """Training-thread phase changes, at most ``max_marks`` a window (two per microbatch, plus
     three); past it the window's timings are reported as unknown rather than guessed."""
@@ -132,6 +148,8 @@ class PhaseClock:
     def __init__(self, stamps: Stamps, max_marks: int, wall: Callable[[], float] = time.time) -> None:
         self.stamps = stamps
         self.host_timed = not isinstance(stamps, CudaStamps)  # stamps complete when taken
+        # Thread CPU phases: their wall times are sent too (``wall_durations``).
+        self.wall_apart = isinstance(stamps, CpuStamps)
         self.stamp = stamps.stamp  # bound once: marks are taken several times a step
         self.max_marks = max_marks
         # The window's marks. The hook's step-path entry points inline ``enter`` (a method call

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy
 
-from collectors.phases import TIMED, Mark, Phase, durations
+from collectors.phases import TIMED, Mark, Phase, durations, wall_durations
 from collectors.tokens import supervised_tokens
 from collectors.values import host_float, on_device
 from collectors.wire import Draft, Record
@@ -374,7 +374,10 @@ class PendingWindow(Draft):
         phases = self.context.phases
         marks, complete = self.marks
         try:
-            return self._record(self._values(), durations(marks, complete, phases.stamps))
+            record = self._record(self._values(), durations(marks, complete, phases.stamps))
+            if phases.wall_apart:
+                add_phase_times(record, wall_durations(marks, complete), WALL_FIELDS)
+            return record
         finally:
             phases.release(marks)
 
@@ -441,16 +444,21 @@ class PendingWindow(Draft):
                 record[name] = (
                     value if type(value) is not float or value - value == 0 else float_to_wire(value)
                 )
-        if spent:
-            for phase, seconds in spent.items():
-                record[PHASE_FIELDS[phase]] = seconds if seconds - seconds == 0 else float_to_wire(seconds)
+        add_phase_times(record, spent, PHASE_FIELDS)
         return record
 
 
-# Record fields of the phase timings (an enum's ``.value`` is a Python-level lookup).
+def add_phase_times(record: Record, spent: dict[Phase, float] | None, fields: dict[Phase, str]) -> None:
+    for phase, seconds in (spent or {}).items():
+        record[fields[phase]] = seconds if seconds - seconds == 0 else float_to_wire(seconds)
+
+
+# Record fields of the phase timings (an enum's ``.value`` is a Python-level lookup), and of
+# their wall times where the phases are thread CPU time (``PhaseClock.wall_apart``).
 PHASE_FIELDS = {phase: f"{phase.value}_s" for phase in Phase}
+WALL_FIELDS = {phase: f"{phase.value}_wall_s" for phase in Phase}
 # A timed phase the protocol has no field for fails here, at import, not as a refused batch.
-protocol.require(protocol.STEP, *(PHASE_FIELDS[phase] for phase in TIMED))
+protocol.require(protocol.STEP, *(fields[phase] for phase in TIMED for fields in (PHASE_FIELDS, WALL_FIELDS)))
 
 
 def total(items: Sequence[Value], torch: Any) -> Value:

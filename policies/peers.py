@@ -21,6 +21,9 @@ Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 
 PHASES = ("data_wait", "forward", "backward", "optimizer")
+WALL_PHASES = ("forward_wall", "backward_wall", "optimizer_wall")
+"""The wall times of the timed phases, sent where ``PHASES`` are thread CPU time (a CPU rank
+among several): data wait is wall time already."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,16 @@ from collectors.attach import Destination
 from collectors.config import ConfigError, HookConfig
 from collectors.layout import Coordinate, layout_from_groups, layout_from_mesh
 from collectors.markers import WallMarker
-from collectors.phases import CpuStamps, CudaStamps, Phase, PhaseClock, WallStamps, durations, stamps_for
+from collectors.phases import (
+    CpuStamps,
+    CudaStamps,
+    Phase,
+    PhaseClock,
+    WallStamps,
+    durations,
+    stamps_for,
+    wall_durations,
+)
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -448,7 +457,7 @@ def test_resumed_records_what_the_restart_restored(tmp_path: Path, transport: Re
     assert restored["scheduler"]["last_lr"] == pytest.approx([4e-4])
     assert restored["consumed"] == 12 and restored["resumed_step"] == 3
     assert restored["first_sample_ids"] == ["s0", "s1", "s2", "s3"]
-    assert resume["checkpoint_path"] == str(Path.cwd() / "ckpt-3")  # absolute, as checkpoints are
+    assert resume["checkpoint_path"] == "ckpt-3"
     (step,) = transport.records("step")
     assert (step["attempt"], step["step"], step["consumed"]) == (1, 4, 16)
 
@@ -605,10 +614,16 @@ def test_cpu_ranks_are_timed_by_their_threads_work_and_a_single_process_by_the_w
     clock.enter(Phase.BACKWARD)
     time.sleep(0.1)
     clock.enter(Phase.DATA)
-    spent = durations(*clock.take_window(), stamps)
+    marks, complete = clock.take_window()
+    spent = durations(marks, complete, stamps)
     assert spent is not None
     assert spent[Phase.FORWARD] >= 0.03
     assert spent[Phase.BACKWARD] < 0.02
+    # Their wall times go beside them: the sleeping phase shows there (``wall_durations``).
+    assert clock.wall_apart and not PhaseClock(WallStamps(), max_marks=8).wall_apart
+    wall = wall_durations(marks, complete)
+    assert wall is not None and wall[Phase.BACKWARD] >= 0.1 and wall[Phase.FORWARD] >= 0.03
+    assert wall_durations(marks, False) is None
 
 
 # Layout, configuration, packaging.

@@ -58,6 +58,9 @@ def assert_every_window_once(db: Path, run: str, results: list[dict[str, Any]], 
         assert skipped == [SKIP_AT], f"rank {rank} skipped {skipped}"
         assert mine[-1]["step"] == WINDOWS - 1 and mine[-1]["consumed"] == WINDOWS * 4 * WORLD
         assert mine[0]["dp_rank"] == rank and mine[0]["tokens"] == 4 * 16
+        # Phases are the thread's CPU time here, sent with their wall times (never less).
+        for name in ("forward", "backward", "optimizer"):
+            assert all(row[f"{name}_wall_s"] >= row[f"{name}_s"] - 1e-4 for row in mine), name
     assert not list((root / "spool").rglob("*.dead.jsonl")), "nothing may be dead-lettered"
     for result in results:
         assert result["counters"]["dropped"] == 0 and result["counters"]["dead_lettered"] == 0

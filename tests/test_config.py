@@ -385,7 +385,13 @@ def test_show_says_where_each_value_came_from(tmp_path: Path) -> None:
         50,
     )
     assert rows["quarantine.live"]["origin"] == "RUNHEALTH_QUARANTINE_LIVE"
-    assert rows["policies.stragglers.phases"]["value"] == ["data_wait", "forward", "backward", "optimizer"]
+    assert rows["policies.stragglers.phases"]["value"] == [
+        "data_wait",
+        "forward",
+        "backward",
+        "optimizer",
+        "own_wall",
+    ]
     assert "rh_admin_secret" not in shown.stdout and "hunter2" not in shown.stdout
     assert len(rows) == len(leaves())
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from policies.continuity import ResumeFacts
 from policies.devices import DeviceReading, LinkReading, XidEvent
-from policies.peers import PHASES, Floats, RankWindow
+from policies.peers import PHASES, WALL_PHASES, Floats, RankWindow
 from policies.types import StepPoint
 
 Record = Mapping[str, Any]
@@ -26,6 +26,7 @@ RANK_FIELDS = (
     "incarnation", "rank", "attempt", "step", "node", "device_uuid", "tp_rank", "pp_rank", "cp_rank",
     "loss_sum", "tokens", "grad_norm", "loss_scale", "skipped", "sample_ids",
     "data_wait_s", "forward_s", "backward_s", "optimizer_s",
+    "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
 )  # fmt: skip
 
 # Keys of a device sample's counters that are reader bookkeeping, not device counters.
@@ -105,7 +106,7 @@ def rank_window(records: Sequence[Record]) -> RankWindow:
         groups=np.array([group_ids[c] for c in coordinates], dtype=np.int64),
         loss_sum=column("loss_sum"),
         tokens=column("tokens"),
-        phases={phase: column(f"{phase}_s") for phase in PHASES},
+        phases={phase: column(f"{phase}_s") for phase in (*PHASES, *WALL_PHASES)},
         nodes=tuple(r.get("node") for r in ordered),
         devices=tuple(r.get("device_uuid") for r in ordered),
         sample_ids=tuple(r.get("sample_ids") for r in ordered),
@@ -116,12 +117,10 @@ def resume_facts(
     incarnation: str, rank: int, checkpoint_step: int | None, restored: Mapping[str, Any]
 ) -> ResumeFacts:
     """A resume record's ``restored``: the hook's nested form (``optimizer``, ``scheduler``,
-    ``data``, ...: collectors.restore) or flat keys of the same names."""
+    ...: collectors.restore) or flat keys of the same names."""
     optimizer = _section(restored, "optimizer")
     scheduler = _section(restored, "scheduler")
-    data = _section(restored, "data")
     ids = restored.get("first_sample_ids")
-    digest = _first(data.get("state_digest"), restored.get("data_state_digest"))
     return ResumeFacts(
         incarnation=incarnation,
         rank=rank,
@@ -133,10 +132,6 @@ def resume_facts(
         scheduler_last_epoch=_first(scheduler.get("last_epoch"), restored.get("scheduler_last_epoch")),
         consumed=restored.get("consumed"),
         first_sample_ids=tuple(ids) if ids is not None else None,
-        param_states=_count(_first(optimizer.get("param_states"), restored.get("param_states"))),
-        trainable_params=_count(_first(optimizer.get("trainable_params"), restored.get("trainable_params"))),
-        deterministic_data=_first(data.get("deterministic"), restored.get("deterministic_data")) is True,
-        data_state_digest=digest if isinstance(digest, str) and digest else None,
     )
 
 
