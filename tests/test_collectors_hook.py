@@ -457,7 +457,7 @@ def test_resumed_records_what_the_restart_restored(tmp_path: Path, transport: Re
     assert restored["scheduler"]["last_lr"] == pytest.approx([4e-4])
     assert restored["consumed"] == 12 and restored["resumed_step"] == 3
     assert restored["first_sample_ids"] == ["s0", "s1", "s2", "s3"]
-    assert resume["checkpoint_path"] == "ckpt-3"
+    assert resume["checkpoint_path"] == str(Path.cwd() / "ckpt-3")  # absolute, as checkpoints are
     (step,) = transport.records("step")
     assert (step["attempt"], step["step"], step["consumed"]) == (1, 4, 16)
 

@@ -117,10 +117,12 @@ def resume_facts(
     incarnation: str, rank: int, checkpoint_step: int | None, restored: Mapping[str, Any]
 ) -> ResumeFacts:
     """A resume record's ``restored``: the hook's nested form (``optimizer``, ``scheduler``,
-    ...: collectors.restore) or flat keys of the same names."""
+    ``data``, ...: collectors.restore) or flat keys of the same names."""
     optimizer = _section(restored, "optimizer")
     scheduler = _section(restored, "scheduler")
+    data = _section(restored, "data")
     ids = restored.get("first_sample_ids")
+    digest = _first(data.get("state_digest"), restored.get("data_state_digest"))
     return ResumeFacts(
         incarnation=incarnation,
         rank=rank,
@@ -132,6 +134,10 @@ def resume_facts(
         scheduler_last_epoch=_first(scheduler.get("last_epoch"), restored.get("scheduler_last_epoch")),
         consumed=restored.get("consumed"),
         first_sample_ids=tuple(ids) if ids is not None else None,
+        param_states=_count(_first(optimizer.get("param_states"), restored.get("param_states"))),
+        trainable_params=_count(_first(optimizer.get("trainable_params"), restored.get("trainable_params"))),
+        deterministic_data=_first(data.get("deterministic"), restored.get("deterministic_data")) is True,
+        data_state_digest=digest if isinstance(digest, str) and digest else None,
     )
 
 
