@@ -5,10 +5,13 @@ state stay as they were and finite, and the record says the window was skipped."
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from collectors import RunHealth, RunHealthConfig
 from collectors.config import ConfigError, HookConfig
@@ -136,3 +139,47 @@ def test_an_unknown_response_is_refused_naming_the_field() -> None:
         RunHealthConfig.from_environ({"RUNHEALTH_HOOK__NONFINITE_RESPONSE": "skip"})
     chosen = RunHealthConfig.from_environ({"RUNHEALTH_HOOK__NONFINITE_RESPONSE": "skip_update"})
     assert chosen.hook.nonfinite_response == "skip_update"
+
+
+@pytest.mark.slow
+def test_four_data_parallel_ranks_skip_the_same_update_and_train_on_finite(tmp_path: Path) -> None:
+    """Rank 1's loss is NaN once; the all-reduced gradients carry it to every replica, every
+    rank skips that one update (the grad norm decides, the same on all), and the run trains on
+    finite. The service records the skip in the nonfinite incident's story."""
+    from monitor.store import audit
+    from monitor.store.db import create_store_engine, resolve_url
+    from tests.collectors_support import ServeProcess, finish_ranks, launch_ranks, step_rows
+
+    serve = ServeProcess(tmp_path, tmp_path / "store.db")
+    serve.start()
+    try:
+        token = serve.create_run("skips")
+        command = [
+            sys.executable, "-m", "monitor.demo.worker", "--task", "sequence", "--steps", "50",
+            "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "results"),
+            "--nan", "1:30", "--fused",
+        ]  # fmt: skip
+        ranks = launch_ranks(
+            tmp_path, 4, command,
+            RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token, RUNHEALTH_RUN="skips",
+            RUNHEALTH_SPOOL_DIR=str(tmp_path / "spool"), RUNHEALTH_HOOK__NONFINITE_RESPONSE="skip_update",
+        )  # fmt: skip
+        results = finish_ranks(ranks, tmp_path, 240.0)
+        assert all(r["progress"]["step"] == 50 for r in results)
+        assert {r["progress"]["attempt"] for r in results} == {51}  # one attempt was no update
+        rows = step_rows(serve.db, "skips")
+        skipped = sorted((row["rank"], row["attempt"], row["step"]) for row in rows if row["skipped"])
+        assert skipped == [(rank, 30, 29) for rank in range(4)]
+        assert all(math.isfinite(row["loss_sum"]) for row in rows if row["attempt"] > 30)
+        engine = create_store_engine(resolve_url(str(serve.db), {}))
+        try:
+            with engine.connect() as connection:
+                incident = connection.execute(
+                    sa.text("SELECT id FROM incidents WHERE kind = 'nonfinite'")
+                ).scalar_one()
+                actions = [e["action"] for e in audit.story(connection, incident)]
+        finally:
+            engine.dispose()
+        assert "skip_update" in actions, actions
+    finally:
+        serve.stop()
