@@ -21,10 +21,13 @@ from sqlalchemy.engine import Engine
 from monitor.ingest.batches import ingest_batch
 from monitor.ingest.schemas import BatchIn
 from monitor.recovery import checkpoints
+from monitor.recovery.decisions import list_proposals
+from monitor.service import Service
 from policies.checkpoints import manifest_digest, rewind_target
 from tests.adapters_support import stored
 from tests.collectors_support import ServeProcess, serving
-from tests.support import INCARNATION, RunHandle, cli_result, require_module
+from tests.support import INCARNATION, RunHandle, cli_result, post, require_module, spiky_windows
+from tests.support import checkpoint as support_checkpoint
 
 NODE = "node-a"  # this service's node in these tests
 
@@ -134,6 +137,57 @@ def test_a_relative_path_is_refused_by_validation(store: Engine, run: RunHandle,
     ingest(store, run, [{**record, "path": "out/ckpt.pt"}])
     (checkpoint,) = listed(store, run)
     assert checkpoint["valid"] is False and "relative path out/ckpt.pt" in checkpoint["problems"][0]
+
+
+def test_an_approval_whose_checkpoint_was_saved_over_makes_a_fresh_proposal_instead(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    """Proposed: roll back to step 20. Before the operator approves, the trainer saves the same
+    folder again at step 80 (one folder reused for the latest checkpoint): loading it now would
+    load step 80, after the fault. The approval is refused and a fresh proposal made, which
+    has no checkpoint before the fault left and escalates."""
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(service, run, [support_checkpoint(tmp_path, 20), *spiky_windows(range(1, 65))])
+    post(service, run, [*spiky_windows(range(65, 75), spike=65)])
+    with service.engine.connect() as connection:
+        (proposal,) = list_proposals(connection, run.name)
+    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 20)
+    folder = tmp_path / "ckpt-20"
+    with service.engine.begin() as connection:
+        assert checkpoints.target_problem(connection, run.id, proposal["target"]["checkpoint"], 7000.0) is None
+    (folder / "model.pt").write_bytes(b"weights at 80")
+    manifest = {
+        "step": 80,
+        "files": [{"path": "model.pt", "size": 13, "sha256": hashlib.sha256(b"weights at 80").hexdigest()}],
+    }
+    post(service, run, [{"kind": "checkpoint", "incarnation": INCARNATION, "step": 80, "path": str(folder),
+                         "time": 180.0, "manifest": manifest}])  # fmt: skip
+    outcome = service.decisions.approve(proposal["id"], "alice", "go")
+    assert not outcome.ok and "was saved again after step 20" in outcome.message
+    with service.engine.connect() as connection:
+        listed = {p["id"]: p for p in list_proposals(connection, run.name)}
+    assert listed[proposal["id"]]["status"] == "superseded"
+    (fresh,) = [p for p in listed.values() if p["id"] != proposal["id"]]
+    assert f"proposal {fresh['id']} replaces it" in outcome.message
+    assert fresh["status"] != "executing" and fresh["action"] == "escalate" and fresh["directive"] is None
+
+
+def test_an_approval_reads_a_target_again_only_when_its_files_changed(
+    store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    ingest(store, run, [saved(path, 10, b"weights at 10")])
+    (checkpoint,) = listed(store, run)
+    with store.begin() as connection:
+        assert checkpoints.target_problem(connection, run.id, checkpoint["id"], 7000.0, NODE) is None
+    rewrite(path, b"weights at 1X")
+    with store.begin() as connection:
+        problem = checkpoints.target_problem(connection, run.id, checkpoint["id"], 7000.0, NODE)
+    assert (
+        problem
+        == f"checkpoint {checkpoint['id']} no longer matches its manifest: ckpt.pt: sha256 differs from the manifest"
+    )
+    assert listed(store, run, validate=False)[0]["valid"] is False
 
 
 # A trainer as real scripts write one.

@@ -119,9 +119,10 @@ def is_stale(row: Mapping[str, Any]) -> bool:
     return seen is None or files_seen(row["path"], row["manifest"]) != seen
 
 
-def validate(connection: Connection, row: Mapping[str, Any], now: float) -> bool:
-    """Validate one checkpoint now (reads every byte) and keep the result; returns it. The
-    sizes and times are taken first, so a file rewritten while it is read is found stale."""
+def validate(connection: Connection, row: Mapping[str, Any], now: float) -> list[str]:
+    """Validate one checkpoint now (reads every byte) and keep the result; returns its problems
+    (none: valid). The sizes and times are taken first, so a file rewritten while it is read is
+    found stale."""
     seen = files_seen(row["path"], row["manifest"])
     problems = validate_files(row["path"], row["step"], row["manifest"])
     connection.execute(VALIDATION.delete().where(VALIDATION.c.checkpoint_id == row["id"]))
@@ -135,7 +136,7 @@ def validate(connection: Connection, row: Mapping[str, Any], now: float) -> bool
             "files_seen": seen,
         },
     )
-    return not problems
+    return problems
 
 
 def validate_pending(
@@ -185,6 +186,35 @@ def confirmed_facts(
         row = next(row for row in _rows(connection, run_id) if row["id"] == target.key)
         validate(connection, row, now)
         confirmed.add(target.key)
+
+
+def target_problem(
+    connection: Connection, run_id: int, checkpoint_id: int, now: float, local_node: str | None = None
+) -> str | None:
+    """Why a proposal's checkpoint can no longer be its rollback target, as it is about to become
+    one (the approval): a later save to its path superseded it, or its files changed since they
+    were read at the proposal and no longer match the manifest (read again then; unchanged sizes
+    and times are not read twice). None when it still is the checkpoint it was."""
+    rows = _rows(connection, run_id)
+    replaced = superseded((row["id"], row["path"], row["time"]) for row in rows)
+    row = next((row for row in rows if row["id"] == checkpoint_id), None)
+    if row is None:
+        return f"checkpoint {checkpoint_id} is no longer in the registry"
+    if checkpoint_id in replaced:
+        return (
+            f"{row['path']} was saved again after step {row['step']} (checkpoint {replaced[checkpoint_id]})"
+        )
+    elsewhere = held_elsewhere(row, local_node or socket.gethostname())
+    if elsewhere is not None:
+        return elsewhere
+    if row["valid"] is True and not is_stale(row):
+        return None
+    problems = validate(connection, row, now)
+    return (
+        f"checkpoint {checkpoint_id} no longer matches its manifest: {'; '.join(problems[:3])}"
+        if problems
+        else None
+    )
 
 
 def _rows(connection: Connection, run_id: int) -> list[dict[str, Any]]:

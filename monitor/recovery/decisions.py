@@ -312,6 +312,9 @@ class Decisions:
     def approve(self, proposal_id: int, operator: str, reason: str | None) -> Outcome:
         now = self._clock()
         with self._lock, self._engine.begin() as connection:
+            retargeted = self._retarget(connection, proposal_id, now)
+            if retargeted is not None:
+                return retargeted
             decided = self._decide(connection, proposal_id, _approval, operator, reason, now)
             if decided is None:
                 return self._lost(connection, proposal_id, "approve")
@@ -326,6 +329,47 @@ class Decisions:
             return Outcome(
                 True, f"proposal {proposal_id} approved by {operator}", view_of(connection, proposal_id)
             )
+
+    def _retarget(self, connection: Connection, proposal_id: int, now: float) -> Outcome | None:
+        """A rollback's checkpoint is checked again as it becomes the target (the path saved
+        again since the proposal, or its files changed): if it no longer is the checkpoint it
+        was, the proposal is superseded by a fresh one and this approval refused, naming it."""
+        row = connection.execute(sa.select(PROPOSAL).where(PROPOSAL.c.id == proposal_id)).mappings().first()
+        awaiting = _values(proposal_lifecycle.AWAITING_DECISION)
+        if row is None or row["checkpoint_id"] is None or row["status"] not in awaiting:
+            return None
+        problem = checkpoints.target_problem(connection, row["run_id"], row["checkpoint_id"], now)
+        if problem is None:
+            return None
+        superseded = connection.execute(
+            PROPOSAL.update()
+            .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(awaiting))
+            .values(
+                status=proposal_lifecycle.outcome(Supersede).value,
+                decided_at=now,
+                decided_by="engine",
+                decision_reason=problem,
+            )
+        ).rowcount
+        if superseded != 1:
+            return None  # decided meanwhile: the decision below says how
+        audit.append(
+            connection,
+            actor="engine",
+            action="proposal_superseded",
+            subject=f"proposal:{proposal_id}",
+            now=now,
+            run_id=row["run_id"],
+            incident_id=row["incident_id"],
+            reason=problem,
+        )
+        fresh = self._consider(connection, row["run_id"], row["incident_id"], actor="engine")
+        instead = f"proposal {fresh} replaces it" if fresh is not None else "no new proposal was made"
+        return Outcome(
+            False,
+            f"proposal {proposal_id} was not approved: its target {problem}; {instead}",
+            view_of(connection, fresh if fresh is not None else proposal_id),
+        )
 
     def reject(self, proposal_id: int, operator: str, reason: str) -> Outcome:
         now = self._clock()
