@@ -192,6 +192,22 @@ def test_a_run_is_exported_from_its_newest_windows(trained: Service, run: RunHan
     assert value(names.RUN_LAST_CHECKPOINT_STEP) == 8
 
 
+def test_a_checkpoint_path_saved_again_counts_by_its_newest_version(
+    trained: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    """step-8 saved again, at step 6 (after a rollback, say): its step-8 version is gone, so the
+    newest resumable checkpoint is the step-6 one, though step 8 is higher."""
+    content = b"weights at step 6"
+    (tmp_path / "step-8" / "model.pt").write_bytes(content)
+    files = [{"path": "model.pt", "size": len(content), "sha256": hashlib.sha256(content).hexdigest()}]
+    again = {"kind": "checkpoint", "incarnation": INCARNATION, "step": 6, "path": str(tmp_path / "step-8"),
+             "time": T0 + 20, "manifest": {"step": 6, "files": files}}  # fmt: skip
+    post(trained, run, [again])
+    registry = fresh_registry(trained)
+    assert sample(registry, names.RUN_LAST_CHECKPOINT_STEP, run=run.name) == 6
+    assert sample(registry, names.RUN_LAST_CHECKPOINT, run=run.name) == T0 + 20
+
+
 def test_heartbeats_count_the_ranks_heard_within_the_silence_limit(trained: Service, run: RunHandle) -> None:
     registry = fresh_registry(trained)
     assert sample(registry, names.RUN_RANKS_HEARTBEATING, run=run.name) == 3  # rank 3 is 30 s silent

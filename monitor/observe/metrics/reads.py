@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 from monitor.judge.readings import point_from_summary
 from monitor.recovery import checkpoints
 from monitor.store import models
-from policies.checkpoints import CheckpointFacts
+from policies.checkpoints import CheckpointFacts, superseded
 
 RUN = models.table_of(models.Run)
 SUMMARY = models.table_of(models.StepSummary)
@@ -239,10 +239,11 @@ def _skipped_updates(connection: Connection, run_id: int, incarnation: str) -> i
 
 
 def _checkpoint(connection: Connection, run_id: int) -> dict[str, Any]:
-    """The newest resumable checkpoint, as the registry tags ``latest-resumable`` (complete, not
-    unsafe), except that one not re-checked yet counts when it was reported with its manifest:
-    the registry re-reads the files only when a recovery needs a target, and between those the
-    age of the newest checkpoint is what an operator watches."""
+    """The newest resumable checkpoint, as the registry tags ``latest-resumable`` (complete,
+    current, not unsafe), except that one not re-checked yet counts when it was reported with
+    its manifest: the registry re-reads the files only when a recovery needs a target, and
+    between those the age of the newest checkpoint is what an operator watches. A version a
+    later save to its path superseded never counts: its files are gone."""
     reported = sa.func.coalesce(sa.cast(CHECKPOINT.c.manifest, sa.Text), "null") != "null"  # JSON null too
     rows = connection.execute(
         sa.select(
@@ -251,10 +252,11 @@ def _checkpoint(connection: Connection, run_id: int) -> dict[str, Any]:
         .outerjoin(VALIDATION, VALIDATION.c.checkpoint_id == CHECKPOINT.c.id)
         .where(CHECKPOINT.c.run_id == run_id, reported)
     ).all()
+    replaced = superseded((r.id, r.path, r.time) for r in rows)
     candidates = tuple(
         CheckpointFacts(key=r.id, step=r.step, path=r.path, valid=r.valid, time=r.time)
         for r in rows
-        if r.valid is not False
+        if r.valid is not False and r.id not in replaced
     )
     unsafe = checkpoints.unsafe_for(connection, run_id, candidates) if candidates else {}
     newest = max((c for c in candidates if c.key not in unsafe), key=lambda c: (c.step, c.time), default=None)
