@@ -371,9 +371,11 @@ def test_checkpoint_saved_returns_at_once_and_hashes_a_relative_file_on_its_own_
     the call; the manifest is built by the manifest worker, and the record sent when it is."""
     hashed_on: list[str] = []
     real_sha256 = checkpoints_module.sha256_of
+    release = threading.Event()
 
     def sha256_of(path: Path) -> str:
         hashed_on.append(threading.current_thread().name)
+        release.wait(10)  # the training thread would wait here, were it the one hashing
         return real_sha256(path)
 
     monkeypatch.setattr(checkpoints_module, "sha256_of", sha256_of)
@@ -382,8 +384,11 @@ def test_checkpoint_saved_returns_at_once_and_hashes_a_relative_file_on_its_own_
     (tmp_path / "out" / "ckpt.pt").write_bytes(b"weights" * 1000)
     config = dataclasses.replace(hook_config(tmp_path), hook=HookConfig(manifest_settle_s=0.05))
     with attach(tmp_path, transport, config=config) as rh:
+        started = time.perf_counter()
         rh.checkpoint_saved(12, "out/ckpt.pt", consumed=48)
-        assert hashed_on == []  # returned before the worker read anything
+        returned_after = time.perf_counter() - started
+        release.set()
+    assert returned_after < 5  # it did not wait for the hash
     (event,) = transport.records("checkpoint")
     assert event["path"] == str(tmp_path / "out" / "ckpt.pt") and event["node"] == "node-a"
     sha = hashlib.sha256(b"weights" * 1000).hexdigest()
