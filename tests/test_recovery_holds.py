@@ -5,7 +5,9 @@ service holds the run with its proposal, and every rank pauses at one step. Then
 - the operator approves: the rollback stops every held rank at the step it holds at, and no
   step is trained on the NaN after the hold; or
 - the operator rejects: a release resumes every rank at that one step; the fault goes on, the
-  next proposal for the incident waits without a second hold, and its approval rolls back.
+  next proposal for the incident waits without a second hold, and its approval rolls back; or
+- nobody decides within the hold's timeout (6 s here): the service's release resumes every rank
+  at that one step, the proposal stays pending, and its approval later rolls back.
 
 Each run measures the steps trained between the NaN and every rank holding (the issue's run
 trained 177-293 steps on a NaN before an approved rollback stopped it), written to
@@ -41,6 +43,8 @@ NAN_STEP = 30
 # window be judged once all four ranks reported, the hold be polled (0.2 s) and agreed (every
 # 2nd window, one agreement late).
 HOLD_WITHIN_S = 30.0
+# Long enough that the ranks are still held when the test looks a second after they held.
+TIMEOUT_S = 6.0
 DIRECTIVE = models.table_of(models.Directive)
 ACK = models.table_of(models.DirectiveAck)
 PROPOSAL = models.table_of(models.Proposal)
@@ -48,12 +52,16 @@ STEP = models.table_of(models.StepRecord)
 
 
 class HeldRun:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, hold_timeout_s: float | None = None) -> None:
         self.root = root
         self.db = root / "store.db"
+        timeout = (
+            {"RUNHEALTH_POLICIES__RESPONSE__HOLD_TIMEOUT_S": str(hold_timeout_s)} if hold_timeout_s else {}
+        )
         self.serve = ServeProcess(
             root,
             self.db,
+            **timeout,
             RUNHEALTH_POLICIES__RESPONSE__NONFINITE="hold",
             RUNHEALTH_SCHEDULER__HANG_CHECK_S="1",
         )
@@ -136,8 +144,9 @@ class HeldRun:
 
 
 @pytest.fixture
-def held_run(tmp_path: Path) -> Any:
-    made = HeldRun(tmp_path)
+def held_run(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    timeout = TIMEOUT_S if request.node.callspec.params.get("decision") == "timeout" else None
+    made = HeldRun(tmp_path, hold_timeout_s=timeout)
     yield made
     made.close()
 
@@ -156,7 +165,7 @@ def measure(run: HeldRun, decision: str, hold_acks: list[dict[str, Any]]) -> dic
     return measured
 
 
-@pytest.mark.parametrize("decision", ["approve", "reject"])
+@pytest.mark.parametrize("decision", ["approve", "reject", "timeout"])
 def test_a_nan_holds_every_rank_at_one_step_until_the_proposal_is_decided(
     held_run: HeldRun, decision: str
 ) -> None:
@@ -179,13 +188,18 @@ def test_a_nan_holds_every_rank_at_one_step_until_the_proposal_is_decided(
         assert approved["ok"]
         expected_stop = held_step  # the rollback stops the ranks where they hold
     else:
-        assert held_run.cli("reject", str(proposal["id"]), "--reason", "look first")["ok"]
+        if decision == "reject":
+            assert held_run.cli("reject", str(proposal["id"]), "--reason", "look first")["ok"]
         release, release_acks = held_run.every_rank_answered("release", 60.0)
-        assert release["payload"]["reason"] == "rejected" and release["payload"]["hold"] == hold["id"]
+        reason = "rejected" if decision == "reject" else "timeout"
+        assert release["payload"]["reason"] == reason and release["payload"]["hold"] == hold["id"]
         assert {a["step"] for a in release_acks} == {held_step}  # every rank resumes at one step
         assert {a["detail"]["released_by"] for a in release_acks} == {"release"}
-        # The fault goes on: the next proposal waits for a person without a second hold.
-        proposal = held_run.pending_proposal(besides=proposal["id"])
+        if decision == "reject":
+            # The fault goes on: the next proposal waits for a person without a second hold.
+            proposal = held_run.pending_proposal(besides=proposal["id"])
+        else:
+            assert held_run.pending_proposal()["id"] == proposal["id"]  # still undecided
         assert len(held_run.directives("hold")) == 1
         assert held_run.cli("approve", str(proposal["id"]), "--reason", "roll back now")["ok"]
         expected_stop = None
