@@ -335,6 +335,36 @@ def test_a_resume_check_failing_after_a_rollback_proposes_no_second_rollback(
         assert [p["id"] for p in list_proposals(connection, run.name)] == [proposal["id"]]
 
 
+def test_a_broken_resume_the_series_finds_after_a_rollback_proposes_no_rollback(
+    service: Service, store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    warming = [{**w, "lr": 1e-5} if w["attempt"] == 1 else w for w in spiky_windows(range(1, 65))]
+    post(service, run, [checkpoint(tmp_path, 20), *warming])
+    post(service, run, spiky_windows(range(65, 75), spike=65))
+    with store.connect() as connection:
+        (proposal,) = list_proposals(connection, run.name)
+    directive = service.decisions.approve(proposal["id"], "alice", "go").proposal["directive"]
+    post(service, run, [ack(directive, 0, "done", 80), ack(directive, 1, "done", 80), *resumes(tmp_path, 20)])
+    with store.connect() as connection:
+        assert queries.get_incident(connection, proposal["incident"])["status"] == "resolved"
+    # The resume record was faithful, but the rollback's restore built a fresh scheduler: its
+    # windows are back at the warm-up learning rate, which the series check finds.
+    restarted = [{**w, "lr": 1e-5} for w in spiky_windows(range(21, 30), incarnation=NEW_INCARNATION)]
+    post(service, run, restarted)
+    with store.connect() as connection:
+        broken = connection.execute(
+            sa.select(models.Incident.id, models.Incident.status).where(
+                models.Incident.run_id == run.id, models.Incident.kind == "broken_resume"
+            )
+        ).all()
+        assert [p["id"] for p in list_proposals(connection, run.name)] == [proposal["id"]]
+    (incident,) = broken
+    assert incident.status == "open"
+    kinds = {f["kind"] for f in findings_of(store, run) if f["incident_id"] == incident.id}
+    assert kinds == {"schedule_restarted"}
+
+
 def test_the_same_broken_resume_by_hand_is_rolled_back(
     service: Service, store: Engine, run: RunHandle, tmp_path: Path
 ) -> None:

@@ -52,10 +52,12 @@ def judge_resumes(
     return _aggregate(findings) + _notes(connection, run_id, resumes)
 
 
-def rollback_awaiting(connection: Connection, run_id: int, row: dict[str, Any]) -> Any:
+def rollback_awaiting(
+    connection: Connection, run_id: int, row: dict[str, Any], *, verified: bool = False
+) -> Any:
     """The approved rollback whose restore this resume record is, or None: one carried out to
     the checkpoint the record names (its path or its step), approved before the record arrived,
-    whose resume was not verified yet."""
+    whose resume was not verified yet (``verified``: or was)."""
     targets = []
     if row.get("checkpoint_path"):
         targets.append(PROPOSAL.c.target_path == row["checkpoint_path"])
@@ -74,7 +76,18 @@ def rollback_awaiting(connection: Connection, run_id: int, row: dict[str, Any]) 
         )
         .order_by(PROPOSAL.c.id.desc())
     ).mappings()
-    return next((p for p in candidates if not resume_verified(connection, p["id"])), None)
+    return next((p for p in candidates if verified or not resume_verified(connection, p["id"])), None)
+
+
+def started_by_rollback(connection: Connection, run_id: int, incarnation: str) -> bool:
+    """Whether this incarnation is the restore of an approved rollback: what its restart lost,
+    the rollback's own restore lost."""
+    rows = connection.execute(
+        sa.select(RESUME.c.checkpoint_path, RESUME.c.checkpoint_step, RESUME.c.received_at).where(
+            RESUME.c.run_id == run_id, RESUME.c.incarnation == incarnation
+        )
+    ).mappings()
+    return any(rollback_awaiting(connection, run_id, dict(row), verified=True) is not None for row in rows)
 
 
 def resume_verified(connection: Connection, proposal_id: int) -> bool:

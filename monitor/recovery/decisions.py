@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import close_incident
-from monitor.judge.resumes import resume_verified, rollback_awaiting
+from monitor.judge.resumes import resume_verified, rollback_awaiting, started_by_rollback
 from monitor.recovery import checkpoints, directives, responses
 from monitor.recovery.config import DecisionConfig
 from monitor.recovery.evidence import incident_evidence
@@ -282,11 +282,18 @@ class Decisions:
 
     def _remedy(self, connection: Connection, incident: Any) -> Remedy:
         """What the incident's findings say remedies it: a finding that a rollback's own
-        restore raised says it is not another rollback."""
+        restore raised says it is not another rollback, and so is a broken resume of the
+        incarnation a rollback started, whatever found it (the resume record, or the series
+        checks of its first windows)."""
         evidence = connection.execute(
             sa.select(FINDING.c.evidence).where(FINDING.c.incident_id == incident["id"])
         ).scalars()
-        return incident_remedy(incident["kind"], (stated_remedy(e) for e in evidence))
+        stated = [stated_remedy(e) for e in evidence]
+        if incident["kind"] == "broken_resume" and started_by_rollback(
+            connection, incident["run_id"], incident["incarnation"]
+        ):
+            stated.append(Remedy.FIX_RESTORE)
+        return incident_remedy(incident["kind"], stated)
 
     def _highest_step(self, connection: Connection, run_id: int) -> int:
         return int(
