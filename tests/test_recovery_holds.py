@@ -49,6 +49,7 @@ DIRECTIVE = models.table_of(models.Directive)
 ACK = models.table_of(models.DirectiveAck)
 PROPOSAL = models.table_of(models.Proposal)
 STEP = models.table_of(models.StepRecord)
+INCIDENT = models.table_of(models.Incident)
 
 
 class HeldRun:
@@ -216,3 +217,7 @@ def test_a_nan_holds_every_rank_at_one_step_until_the_proposal_is_decided(
     for action in ("proposed", "hold", "acknowledged", "hold_released", "approved", "rollback_executed"):
         assert action in actions, actions
     assert actions.index("hold") < actions.index("hold_released")
+    # No false incident (a held rank is no hang, its pause no data wait) and no dead letter.
+    incidents = held_run.rows(sa.select(INCIDENT.c.kind, INCIDENT.c.status))
+    assert incidents == [{"kind": "nonfinite", "status": "resolved"}], incidents
+    assert all(r["counters"]["dead_lettered"] == 0 for r in results)
