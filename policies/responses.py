@@ -12,13 +12,16 @@ kind the user may ask for an automatic response:
   rejected: they resume together) or ``hold_timeout_s`` passes.
 - ``skip_update`` (configured on the trainer, ``HookConfig.nonfinite_response``, for
   ``nonfinite`` only): the optimizer step of a nonfinite window is skipped on the device, as
-  OLMo-core's ``SkipStepOptimizer`` does; no round trip to the service is needed.
+  OLMo-core's ``SkipStepOptimizer`` does; no round trip to the service is needed. An incident
+  whose every window was skipped that way on every rank left the model state as it was, so a
+  rollback has nothing to undo (``remedied_by_skip``).
 
 Each response is an audit-log entry (``monitor/recovery/responses.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Literal
@@ -135,3 +138,26 @@ def releases_ranks(release: Release) -> bool:
     """Whether the ranks are sent a release directive: not for an approved rollback, whose
     own directive ends the hold (held ranks act on it at once, at the step they hold at)."""
     return release is not Release.APPROVED
+
+
+SKIP_UPDATE = "skip_update"
+
+
+@dataclass(frozen=True)
+class WindowSkips:
+    """One window of an incident: how many ranks reported it and how many skipped its update."""
+
+    ranks_reported: int
+    skipped_ranks: int
+
+
+def remedied_by_skip(stated_response: str | None, windows: Sequence[WindowSkips]) -> bool:
+    """Whether the trainer's own ``skip_update`` already remedied an incident: it said it skips
+    nonfinite updates, and every window the incident's findings name was skipped on every rank.
+    One window that some rank updated may have written NaN into the weights: then a rollback is
+    the remedy again."""
+    return (
+        stated_response == SKIP_UPDATE
+        and bool(windows)
+        and all(w.ranks_reported > 0 and w.skipped_ranks >= w.ranks_reported for w in windows)
+    )

@@ -145,7 +145,8 @@ def test_an_unknown_response_is_refused_naming_the_field() -> None:
 def test_four_data_parallel_ranks_skip_the_same_update_and_train_on_finite(tmp_path: Path) -> None:
     """Rank 1's loss is NaN once; the all-reduced gradients carry it to every replica, every
     rank skips that one update (the grad norm decides, the same on all), and the run trains on
-    finite. The service records the skip in the nonfinite incident's story."""
+    finite. The service records the skip in the nonfinite incident's story and proposes no
+    rollback for it."""
     from monitor.store import audit
     from monitor.store.db import create_store_engine, resolve_url
     from tests.collectors_support import ServeProcess, finish_ranks, launch_ranks, step_rows
@@ -178,8 +179,12 @@ def test_four_data_parallel_ranks_skip_the_same_update_and_train_on_finite(tmp_p
                     sa.text("SELECT id FROM incidents WHERE kind = 'nonfinite'")
                 ).scalar_one()
                 actions = [e["action"] for e in audit.story(connection, incident)]
+                proposed = connection.execute(
+                    sa.text("SELECT count(*) FROM proposals WHERE incident_id = :i"), {"i": incident}
+                ).scalar_one()
         finally:
             engine.dispose()
         assert "skip_update" in actions, actions
+        assert proposed == 0  # the weights never saw the NaN: no rollback to propose
     finally:
         serve.stop()

@@ -11,7 +11,9 @@ from policies.responses import (
     Response,
     ResponseConfig,
     Situation,
+    WindowSkips,
     releases_ranks,
+    remedied_by_skip,
     respond,
 )
 from policies.types import Severity
@@ -77,3 +79,13 @@ def test_a_value_that_cannot_be_used_is_refused_naming_the_field(bad: dict[str, 
 def test_only_an_approved_rollback_ends_a_hold_without_a_release_directive() -> None:
     assert not releases_ranks(Release.APPROVED)
     assert all(releases_ranks(r) for r in (Release.APPROVED_NO_ROLLBACK, Release.REJECTED, Release.TIMEOUT))
+
+
+def test_a_skip_remedies_an_incident_only_when_the_trainer_skipped_every_window_everywhere() -> None:
+    everywhere = [WindowSkips(4, 4), WindowSkips(4, 4)]
+    assert remedied_by_skip("skip_update", everywhere)
+    assert not remedied_by_skip("none", everywhere)  # a GradScaler's skip is judged as before
+    assert not remedied_by_skip(None, everywhere)
+    assert not remedied_by_skip("skip_update", [WindowSkips(4, 4), WindowSkips(4, 3)])  # one rank updated
+    assert not remedied_by_skip("skip_update", [WindowSkips(4, 4), WindowSkips(4, 0)])
+    assert not remedied_by_skip("skip_update", [])

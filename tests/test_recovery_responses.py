@@ -182,22 +182,48 @@ def test_a_finished_incarnation_is_not_held(store: Engine, run: RunHandle, tmp_p
     assert directives_of(store, "hold") == []
 
 
-@pytest.mark.parametrize("stated", ["skip_update", "none"])
-def test_a_trainers_own_skipped_updates_are_recorded_once_in_the_story(
-    store: Engine, run: RunHandle, tmp_path: Path, stated: str
-) -> None:
-    service = held_service(store, Clock())
-    nan_run(service, run, tmp_path, skipped=True, hook={"nonfinite_response": stated})
-    post(service, run, spiky_windows(range(NAN_AT + 10, NAN_AT + 14)))  # touches it again
+def nonfinite_incident(store: Engine) -> int:
+    with store.connect() as connection:
+        return int(
+            connection.execute(sa.text("SELECT id FROM incidents WHERE kind = 'nonfinite'")).scalar_one()
+        )
+
+
+def nonfinite_proposals(store: Engine, run: RunHandle) -> list[dict[str, Any]]:
     with store.connect() as connection:
         proposals = list_proposals(connection, run.name)
-    (incident,) = [p["incident"] for p in proposals if p["evidence"]["incident"]["kind"] == "nonfinite"]
+    return [p for p in proposals if p["evidence"]["incident"]["kind"] == "nonfinite"]
+
+
+@pytest.mark.parametrize("stated", ["skip_update", "none"])
+def test_a_trainers_own_skipped_updates_are_recorded_once_and_need_no_rollback(
+    store: Engine, run: RunHandle, tmp_path: Path, stated: str
+) -> None:
+    service = held_service(store, Clock(), nonfinite="hold")
+    nan_run(service, run, tmp_path, skipped=True, hook={"nonfinite_response": stated})
+    post(service, run, spiky_windows(range(NAN_AT + 10, NAN_AT + 14)))  # touches it again
+    incident = nonfinite_incident(store)
     skips = [e for e in story(store, incident) if e["action"] == "skip_update"]
-    if stated == "none":
-        assert skips == []
+    if stated == "none":  # skipped by something the trainer did not name: judged as before
+        assert skips == [] and [p["action"] for p in nonfinite_proposals(store, run)] == ["rollback"]
         return
     (entry,) = skips
     assert entry["actor"] == "trainer" and entry["details"]["skipped_windows"] == 3
+    # The weights are as before the NaN windows: nothing to rewind, nothing to hold for.
+    assert nonfinite_proposals(store, run) == [] and directives_of(store, "hold") == []
+
+
+def test_a_nan_window_the_trainer_did_not_skip_still_proposes_a_rollback(
+    store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    service = held_service(store, Clock())
+    nan_run(service, run, tmp_path, skipped=True, hook={"nonfinite_response": "skip_update"})
+    assert nonfinite_proposals(store, run) == []
+    # Later one NaN window is updated (another optimizer, say): its weights may be NaN now.
+    post(service, run, nan_windows(range(NAN_AT + 10, NAN_AT + 11), False, lambda a: a - 3))
+    post(service, run, spiky_windows(range(NAN_AT + 11, NAN_AT + 20)))
+    (proposal,) = nonfinite_proposals(store, run)
+    assert proposal["action"] == "rollback" and proposal["target"]["step"] == 20
 
 
 def test_the_response_is_a_service_setting_under_policies() -> None:

@@ -293,6 +293,8 @@ class Decisions:
             connection, incident["run_id"], incident["incarnation"]
         ):
             stated.append(Remedy.FIX_RESTORE)
+        if responses.skipped_by_trainer(connection, incident):
+            stated.append(Remedy.NONE)  # the trainer skipped every window's update itself
         return incident_remedy(incident["kind"], stated)
 
     def _highest_step(self, connection: Connection, run_id: int) -> int:

@@ -10,7 +10,9 @@ rejected (a ``release`` directive resumes every rank at one step), or ``hold_tim
 period past the timeout when the service cannot be reached (``collectors.agent``).
 
 A trainer that skips nonfinite updates itself (``HookConfig.nonfinite_response``) says so in
-its run-start record; the incident's audit story records that its update was skipped.
+its run-start record; the incident's audit story records that its update was skipped, and while
+every window of the incident was skipped on every rank no rollback is proposed for it
+(``skipped_by_trainer``).
 """
 
 from __future__ import annotations
@@ -23,17 +25,27 @@ from sqlalchemy.engine import Connection
 from monitor.recovery import directives
 from monitor.store import audit, models
 from policies.directive_lifecycle import DirectiveStatus
-from policies.responses import Release, Response, ResponseConfig, Situation, releases_ranks, respond
+from policies.responses import (
+    SKIP_UPDATE,
+    Release,
+    Response,
+    ResponseConfig,
+    Situation,
+    WindowSkips,
+    releases_ranks,
+    remedied_by_skip,
+    respond,
+)
 from policies.types import Severity
 
 DIRECTIVE = models.table_of(models.Directive)
 INCARNATION = models.table_of(models.Incarnation)
 SUMMARY = models.table_of(models.StepSummary)
 AUDIT = models.table_of(models.AuditEntry)
+FINDING = models.table_of(models.FindingRow)
 
 HOLD, RELEASE = "hold", "release"
 ACTOR = "policy:response"
-SKIP_UPDATE = "skip_update"
 
 
 def hold_if_configured(
@@ -138,6 +150,43 @@ def note_trainer_response(connection: Connection, incident: Any, now: float) -> 
         details={"skipped_windows": int(skipped), "first_step": incident["first_step"]},
     )
     return True
+
+
+def skipped_by_trainer(connection: Connection, incident: Any) -> bool:
+    """A nonfinite incident the trainer's ``skip_update`` already remedied: every window its
+    findings name was skipped on every rank (``policies.responses.remedied_by_skip``)."""
+    if incident["kind"] != "nonfinite":
+        return False
+    stated = _stated_response(connection, incident)
+    if stated != SKIP_UPDATE:
+        return False
+    named = connection.execute(
+        sa.select(FINDING.c.incarnation, FINDING.c.attempt)
+        .where(FINDING.c.incident_id == incident["id"])
+        .distinct()
+    ).all()
+    if not named or any(row.attempt is None for row in named):
+        return False
+    windows = []
+    for incarnation, attempts in _by_incarnation(named).items():
+        rows = connection.execute(
+            sa.select(SUMMARY.c.ranks_reported, SUMMARY.c.skipped_ranks).where(
+                SUMMARY.c.run_id == incident["run_id"],
+                SUMMARY.c.incarnation == incarnation,
+                SUMMARY.c.attempt.in_(attempts),
+            )
+        ).all()
+        if len(rows) < len(attempts):
+            return False  # a window not summarized: not known to be skipped
+        windows += [WindowSkips(row.ranks_reported, row.skipped_ranks) for row in rows]
+    return remedied_by_skip(stated, windows)
+
+
+def _by_incarnation(named: Any) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for row in named:
+        found.setdefault(row.incarnation, []).append(int(row.attempt))
+    return found
 
 
 def _release(
