@@ -5,7 +5,10 @@ Runs the same small mixed-precision training bare and hooked under
 side, and separately those raised inside the hook's own calls. The target is zero added. Three
 hooked variants cover the hook's device paths: labels on the GPU (counted there), labels on the
 CPU beside a GPU loss, and a fused AdamW (the skip verdict travels as a device flag). One window
-of each run overflows on purpose, so a skipped step is in every variant.
+of each run overflows on purpose, so a skipped step is in every variant. A fourth runs without a
+GradScaler, a fused AdamW and ``nonfinite_response="skip_update"``, one window's loss NaN: its
+update is skipped by a device flag the hook computes (``collectors/skip_update.py``), compared
+with the same training bare and without a scaler, and its weights must stay finite.
 
     python scripts/sync_check.py [--steps 30]
 
@@ -30,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
 
-from collectors import RunHealth, RunHealthConfig  # noqa: E402
+from collectors import HookConfig, RunHealth, RunHealthConfig  # noqa: E402
 from collectors.spool import SpoolConfig  # noqa: E402
 from collectors.transport import Delivery, Outcome, TransportConfig  # noqa: E402
 
@@ -101,9 +104,11 @@ class Variant:
     name: str
     labels_on_gpu: bool = True
     fused: bool = False
+    scaler: bool = True
+    """False: no GradScaler, and the hook skips the nonfinite window (``skip_update``)."""
 
 
-def build(fused: bool) -> tuple[Any, Any, Any]:
+def build(fused: bool, scaler: bool = True) -> tuple[Any, Any, Any]:
     import torch
 
     torch.manual_seed(0)
@@ -114,7 +119,7 @@ def build(fused: bool) -> tuple[Any, Any, Any]:
         torch.nn.Linear(256, VOCAB),
     ).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    return model, optimizer, torch.amp.GradScaler("cuda")
+    return model, optimizer, torch.amp.GradScaler("cuda") if scaler else None
 
 
 def batches(steps: int) -> list[dict[str, Any]]:
@@ -131,16 +136,24 @@ def batches(steps: int) -> list[dict[str, Any]]:
 def train_step(
     model: Any, optimizer: Any, scaler: Any, batch: dict[str, Any], overflow: bool, hook: Callable[..., None]
 ) -> None:
-    """One window; ``hook(name, *args)`` is where the hooked side calls the hook."""
+    """One window; ``hook(name, *args)`` is where the hooked side calls the hook. Without a
+    scaler (``None``) it trains in bfloat16 and its faulty window's loss is NaN."""
     import torch
 
     tokens = batch["tokens"].cuda(non_blocking=True)
-    with torch.autocast("cuda", dtype=torch.float16):
+    dtype = torch.float16 if scaler is not None else torch.bfloat16
+    with torch.autocast("cuda", dtype=dtype):
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     if overflow:
-        loss = loss * float("inf")
+        loss = loss * float("inf" if scaler is not None else "nan")
     hook("loss", loss, tokens, batch["tokens"])
+    if scaler is None:
+        loss.backward()  # type: ignore[no-untyped-call]
+        hook("grad_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -150,8 +163,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_bare(steps: int, skip_at: int) -> SyncCounter:
-    model, optimizer, scaler = build(fused=False)
+def run_bare(steps: int, skip_at: int, fused: bool = False, scaler_on: bool = True) -> SyncCounter:
+    model, optimizer, scaler = build(fused, scaler_on)
     data = batches(steps)
     counter = SyncCounter()
     for batch in data[:3]:  # warm-up: cuBLAS, allocator, lazy inits
@@ -163,13 +176,14 @@ def run_bare(steps: int, skip_at: int) -> SyncCounter:
 
 
 def run_hooked(variant: Variant, steps: int, skip_at: int) -> dict[str, Any]:
-    model, optimizer, scaler = build(variant.fused)
+    model, optimizer, scaler = build(variant.fused, variant.scaler)
     data = batches(steps)
     transport = CountingTransport()
     counter = SyncCounter()
     config = RunHealthConfig(
         transport=TransportConfig(run=f"sync-check-{variant.name}"),
         spool=SpoolConfig(directory=tempfile.mkdtemp(prefix="runhealth-sync-check-")),
+        hook=HookConfig(nonfinite_response="none" if variant.scaler else "skip_update"),
     )
     rh = RunHealth(
         model=model, optimizer=optimizer, scaler=scaler, transport=transport, config=config, environ={}
@@ -193,7 +207,9 @@ def run_hooked(variant: Variant, steps: int, skip_at: int) -> dict[str, Any]:
             with counter.hook_call():
                 rh.window_end()
     rh.close()
-    return summarize_hooked(variant, counter, transport, rh, steps)
+    summary = summarize_hooked(variant, counter, transport, rh, steps)
+    summary["weights_finite"] = all(bool(p.isfinite().all()) for p in model.parameters())
+    return summary
 
 
 def summarize_hooked(
@@ -237,15 +253,20 @@ def run_check(steps: int) -> dict[str, Any]:
     started = time.time()
     skip_at = steps // 2
     bare = run_bare(steps, skip_at)
+    # The skip_update variant's own baseline: the same training without a scaler (a GradScaler
+    # reads its found-inf flag on the host for an unfused optimizer; this one has none).
+    bare_unscaled = run_bare(steps, skip_at, fused=True, scaler_on=False)
     variants = [
         Variant("labels_on_gpu"),
         Variant("labels_on_cpu", labels_on_gpu=False),
         Variant("fused_adamw", fused=True),
+        Variant("fused_adamw_skip_update", fused=True, scaler=False),
     ]
     hooked = [run_hooked(variant, steps, skip_at) for variant in variants]
     bare_per_step = bare.total / steps
-    for result in hooked:
-        result["added_syncs_per_step"] = result["syncs_per_step"] - bare_per_step
+    for result, variant in zip(hooked, variants, strict=True):
+        baseline = bare_per_step if variant.scaler else bare_unscaled.total / steps
+        result["added_syncs_per_step"] = result["syncs_per_step"] - baseline
     return {
         "cuda": True,
         "device": torch.cuda.get_device_name(),
@@ -255,7 +276,11 @@ def run_check(steps: int) -> dict[str, Any]:
         "bare_syncs_per_step": bare_per_step,
         "hooked": hooked,
         "target_added_syncs": 0,
-        "ok": all(r["syncs_inside_hook_calls"] == 0 and r["step_records"] == steps for r in hooked),
+        "ok": all(r["syncs_inside_hook_calls"] == 0 and r["step_records"] == steps for r in hooked)
+        and all(
+            r["added_syncs_per_step"] <= 0 and r["weights_finite"] and r["skipped_attempts"] == [skip_at + 1]
+            for r in hooked[3:]
+        ),
         "seconds": time.time() - started,
     }
 
