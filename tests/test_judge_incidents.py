@@ -8,7 +8,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor.judge.incidents import FINDING, INCIDENT, PROPOSAL, IncidentRecorder
+from monitor.judge.incidents import ACK, FINDING, INCIDENT, PROPOSAL, IncidentRecorder
+from monitor.recovery.directives import create_directive
 from policies.incidents import GroupingConfig
 from policies.types import Finding, Severity
 from tests.support import make_run
@@ -30,8 +31,11 @@ def nan_at(step: int, incarnation: str = OLD, rank: int = 0) -> Finding:
     )
 
 
-def rolled_back(store: Engine, status: str, incident_status: str = "resolved") -> tuple[int, int]:
-    """A run whose NaN at step 71 (incarnation OLD) was answered by a rollback to step 40."""
+def rolled_back(
+    store: Engine, status: str, incident_status: str = "resolved", acknowledged: bool = True
+) -> tuple[int, int]:
+    """A run whose NaN at step 71 (incarnation OLD) was answered by a rollback to step 40 whose
+    ranks acknowledged stopping at step 144 (unless not ``acknowledged``)."""
     run = make_run(store, "tail")
     incident: dict[str, Any] = {
         "run_id": run.id, "kind": "nonfinite", "severity": "critical", "status": incident_status,
@@ -41,14 +45,33 @@ def rolled_back(store: Engine, status: str, incident_status: str = "resolved") -
     }  # fmt: skip
     with store.begin() as connection:
         incident_id = connection.execute(INCIDENT.insert().returning(INCIDENT.c.id), incident).scalar_one()
+        directive = create_directive(
+            connection,
+            run.id,
+            "rollback",
+            created_by="tests",
+            now=1.5,
+            act_at_step=144,
+            incident_id=incident_id,
+        )
         connection.execute(
             PROPOSAL.insert(),
             {
                 "run_id": run.id, "incident_id": incident_id, "action": "rollback", "status": status,
                 "target_step": 40, "target_path": "/out/ckpt.pt", "data_action": "replay",
                 "skip_batches": [], "verdict": "undetermined", "evidence": {}, "created_at": 1.5,
+                "directive_id": directive,
             },
         )  # fmt: skip
+        for rank in range(2 if acknowledged else 0):
+            connection.execute(
+                ACK.insert(),
+                {
+                    "run_id": run.id, "directive_id": directive, "incarnation": OLD, "rank": rank,
+                    "status": "done", "step": 144, "detail": None, "time": 1.6, "received_at": 1.6,
+                    "content_hash": f"ack-{rank}",
+                },
+            )  # fmt: skip
     return run.id, incident_id
 
 
@@ -92,13 +115,23 @@ def test_a_fault_before_the_checkpoint_is_not_in_the_abandoned_windows(store: En
     ]
 
 
-def test_a_rollback_not_carried_out_leaves_the_tail_to_the_usual_rules(store: Engine) -> None:
-    run_id, _ = rolled_back(store, "pending")
+def test_a_rollback_no_rank_acknowledged_leaves_the_tail_to_the_usual_rules(store: Engine) -> None:
+    """No acknowledgement, no known stop: what comes later in the incarnation is judged as ever
+    (a fault that comes back counts against the incident's retries)."""
+    run_id, _ = rolled_back(store, "done", acknowledged=False)
     assert len(record(store, run_id, nan_at(144))) == 1
     assert len(incidents(store)) == 2
 
 
-def test_while_the_incident_is_open_its_tail_still_grows_it(store: Engine) -> None:
+def test_before_the_resume_verified_the_tail_does_not_touch_the_incident(store: Engine) -> None:
+    """Touched, the incident would be handed to the decision workflow again, which proposed a
+    second recovery for it (an escalation, the rollback's checkpoint superseded meanwhile)."""
     run_id, handled = rolled_back(store, "executing", incident_status="open")
-    assert record(store, run_id, nan_at(150)) == [handled]
-    assert incidents(store)[0]["last_step"] == 150 and len(incidents(store)) == 1
+    assert record(store, run_id, nan_at(144)) == []
+    assert len(incidents(store)) == 1 and incidents(store)[0]["last_step"] == 140
+    assert [f["incident_id"] for f in findings(store)] == [handled]
+
+
+def test_past_the_acknowledged_stop_the_incarnation_is_judged_as_ever(store: Engine) -> None:
+    run_id, _ = rolled_back(store, "done")
+    assert len(record(store, run_id, nan_at(145))) == 1

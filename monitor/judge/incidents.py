@@ -2,9 +2,10 @@
 
 The grouping rule is pure (``policies.incidents``); this module keeps the store in step
 with it. An info-level finding is kept as evidence but opens no incident, and so is a finding in
-the windows a carried-out rollback abandoned (past its checkpoint, in the incarnation it
-stopped): those are the fault the rollback answered, judged late (the last windows before the
-stop can reach the engine after the resume verified and resolved its incident), not a new one.
+the windows a rollback abandoned (in the incarnation its ranks stopped, past its checkpoint, up
+to the step they acknowledged stopping at): those are the fault the rollback answered, judged
+late (the last windows before the stop can reach the engine after the resume verified), not a
+new one and not a reason to propose again.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ from sqlalchemy.engine import Connection
 
 from monitor.store import audit, models
 from policies.incidents import RESOLVES, GroupingConfig, extend, matching_incident, open_incident, scope_of
-from policies.proposal_lifecycle import ProposalStatus
 from policies.types import Finding, IncidentView, Severity
 
 INCIDENT = models.table_of(models.Incident)
 FINDING = models.table_of(models.FindingRow)
 PROPOSAL = models.table_of(models.Proposal)
+ACK = models.table_of(models.DirectiveAck)
 
-# A rollback whose directive is out: the ranks leave its incarnation at the step they stop at.
-CARRIED_OUT = (ProposalStatus.EXECUTING.value, ProposalStatus.DONE.value)
+
+@dataclass(frozen=True)
+class Abandoned:
+    """Windows a rollback left: steps after ``checkpoint_step``, up to ``stopped_at``."""
+
+    checkpoint_step: int
+    stopped_at: int
+    incident: int
+
+    def holds(self, step: int) -> bool:
+        return self.checkpoint_step < step <= self.stopped_at
 
 
 @dataclass
@@ -58,7 +68,7 @@ class IncidentRecorder:
             if finding.kind in RESOLVES:
                 incident_id = self._resolve(connection, run_id, opened, finding, now)
             elif finding.severity is not Severity.INFO:
-                incident_id = self._rolled_back(opened, abandoned, finding)
+                incident_id = self._rolled_back(abandoned, finding)
                 if incident_id is None:
                     incident_id = self._attach(connection, run_id, opened, finding, detected_step, now)
                     touched.append(incident_id)
@@ -104,17 +114,14 @@ class IncidentRecorder:
                 return key
         return None
 
-    def _rolled_back(
-        self, opened: dict[int, _Open], abandoned: dict[str, tuple[int, int]], finding: Finding
-    ) -> int | None:
-        """The incident a carried-out rollback answered, for a finding in the windows it
-        abandoned that no open incident takes (an open one still grows as before)."""
-        span = abandoned.get(finding.incarnation or "")
-        if span is None or finding.step <= span[0]:
-            return None
-        if matching_incident(finding, [o.view for o in opened.values()], self._grouping) is not None:
-            return None
-        return span[1]
+    def _rolled_back(self, abandoned: dict[str, list[Abandoned]], finding: Finding) -> int | None:
+        """The incident a rollback answered, for a finding in the windows it abandoned. Only
+        evidence: the incident is not grown or touched, whether or not its resume verified yet,
+        so the decision workflow is not asked to propose for it again."""
+        for span in abandoned.get(finding.incarnation, ()):
+            if span.holds(finding.step):
+                return span.incident
+        return None
 
     def _open_incidents(self, connection: Connection, run_id: int) -> dict[int, _Open]:
         rows = connection.execute(
@@ -192,22 +199,26 @@ class IncidentRecorder:
         return key
 
 
-def abandoned_spans(connection: Connection, run_id: int) -> dict[str, tuple[int, int]]:
-    """Per incarnation a carried-out rollback stopped: the checkpoint step it rewound to (the
-    earliest, if several) and the incident it answered. Windows of that incarnation past that
-    step are the history the run abandoned."""
+def abandoned_spans(connection: Connection, run_id: int) -> dict[str, list[Abandoned]]:
+    """Per incarnation whose ranks a rollback stopped (their acknowledgements say where), the
+    windows it abandoned, and the incident it answered."""
+    stopped_at = sa.func.max(ACK.c.step)
     rows = connection.execute(
-        sa.select(INCIDENT.c.incarnation, PROPOSAL.c.target_step, PROPOSAL.c.incident_id)
-        .join(INCIDENT, INCIDENT.c.id == PROPOSAL.c.incident_id)
+        sa.select(ACK.c.incarnation, PROPOSAL.c.target_step, stopped_at, PROPOSAL.c.incident_id)
+        .join(ACK, ACK.c.directive_id == PROPOSAL.c.directive_id)
         .where(
             PROPOSAL.c.run_id == run_id,
             PROPOSAL.c.action == "rollback",
-            PROPOSAL.c.status.in_(CARRIED_OUT),
             PROPOSAL.c.target_step.is_not(None),
+            ACK.c.status == "done",
+            ACK.c.step.is_not(None),
         )
-        .order_by(PROPOSAL.c.target_step.desc())
+        .group_by(ACK.c.incarnation, PROPOSAL.c.id, PROPOSAL.c.target_step, PROPOSAL.c.incident_id)
     )
-    return {incarnation: (int(step), int(incident)) for incarnation, step, incident in rows}
+    spans: dict[str, list[Abandoned]] = {}
+    for incarnation, target, stop, incident in rows:
+        spans.setdefault(incarnation, []).append(Abandoned(int(target), int(stop), int(incident)))
+    return spans
 
 
 def incident_view(row: Any) -> IncidentView:
