@@ -13,7 +13,10 @@ draws. DDP on gloo, on the CPU, one thread per rank.
 
 ``nanogpt_hooked.py`` is this file with runhealth attached (``scripts/attach_lines.py`` counts
 the lines that differ). The test knobs are in both alike: ``nan_at`` (rank ``nan_rank``'s loss
-at that iteration is NaN, once per process) and ``iter_sleep`` (seconds added to each step).
+at that iteration is NaN, once per process), ``iter_sleep`` (seconds added to each step) and
+``resume_fault``, what a faulty restore forgets: ``weights``, ``optimizer`` (its state; the rate
+is still set by the loop) or ``lr`` (the schedule's place: it restarts at this process's first
+iteration).
 """
 
 import ast
@@ -57,6 +60,7 @@ seed = 1337
 nan_at = -1
 nan_rank = 1
 iter_sleep = 0.0
+resume_fault = ""  # the test's broken resumes: "weights", "optimizer" or "lr"
 for arg in sys.argv[1:]:
     key, value = arg.removeprefix("--").split("=", 1)
     if key not in globals():
@@ -135,21 +139,25 @@ raw_model = model
 optimizer = torch.optim.AdamW(
     model.parameters(), lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay
 )
-if ddp:
-    model = DDP(model)
 
 
 def load_checkpoint(path):
     """A checkpoint's model and optimizer state, into the live objects; its place in the run."""
     checkpoint = torch.load(path, map_location="cpu")
-    raw_model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    if resume_fault != "weights":
+        raw_model.load_state_dict(checkpoint["model"])
+    if resume_fault != "optimizer":
+        optimizer.load_state_dict(checkpoint["optimizer"])
     return checkpoint["iter_num"], checkpoint["best_val_loss"]
 
 
 iter_num, best_val_loss = 0, 1e9
 if init_from == "resume":
     iter_num, best_val_loss = load_checkpoint(ckpt_path)
+if ddp:
+    # After the restore, as nanoGPT does: the constructor's broadcast is where every rank has
+    # read ckpt.pt before rank 0 writes it again at its first evaluation.
+    model = DDP(model)
 
 
 @torch.no_grad()
@@ -178,9 +186,10 @@ def get_lr(it):
 
 X, Y = get_batch("train")
 t0 = time.time()
+local_iter_num = 0  # iterations in this process
 injected = False
 while True:
-    lr = get_lr(iter_num)
+    lr = get_lr(local_iter_num if resume_fault == "lr" else iter_num)  # "lr": the schedule restarts
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     if iter_num % eval_interval == 0 and master_process:
@@ -216,6 +225,7 @@ while True:
         lossf = loss.item() * gradient_accumulation_steps
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms")
     iter_num += 1
+    local_iter_num += 1
     if iter_num > max_iters:
         break
 
