@@ -5,22 +5,33 @@ detection delay in steps (and in logged rows, for sparse excerpts) from the labe
 step to the step of the first finding of the incident that caught it.
 
     python benchmarks/detection.py [--only real|scenarios|all] [--scenario NAME] [--cases]
+    python benchmarks/detection.py --stragglers [--clean-steps 3000] [--scenario NAME]
+
+``--stragglers``: straggler detection alone, on 4-rank gloo runs of the scenario trainer's small
+task (``sequence``: steps of a few milliseconds) with the machine loaded by two busy processes:
+false straggler incidents over a long clean run, and the steps until a rank that waits (sleeps)
+30% or 10% of its step, inside its step or in its loader, is named.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from realcurves import Case, bigscience_cases, clean_controls
-from scenarios import Outcome, run_corpus
+from scenarios import Outcome, Scenario, run_corpus, run_scenario
 
 from policies.backtest import backtest_series
 from policies.series import SeriesConfig
@@ -127,12 +138,110 @@ def score_scenario(outcome: Outcome) -> dict[str, Any]:
     return row
 
 
+WAITING_RANK = 2
+WAIT_FROM = 100
+
+
+def straggler_corpus(clean_steps: int) -> list[Scenario]:
+    """A long clean run, then one rank waiting 30% and 10% of its step from update 100 on,
+    inside its step and in its loader."""
+    clean = Scenario("stragglers-clean", None, 0, "stragglers", steps=clean_steps, task="sequence")
+    waits = [
+        Scenario(
+            f"stragglers-wait_{int(fraction * 100)}pct_{where}",
+            "straggler",
+            WAIT_FROM,
+            "stragglers",
+            args=(
+                "--wait",
+                f"{WAITING_RANK}:{fraction}:{WAIT_FROM}" + (":data" if where == "loader" else ""),
+            ),
+            steps=WAIT_FROM + 150,
+            task="sequence",
+        )
+        for fraction in (0.30, 0.10)
+        for where in ("step", "loader")
+    ]
+    return [clean, *waits]
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[list[int]]:
+    """``count`` processes that keep a core busy (``yes``), killed by their PIDs afterwards."""
+    busy = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(count)]
+    try:
+        yield [process.pid for process in busy]
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait(10)
+
+
+def score_straggler_run(outcome: Outcome) -> dict[str, Any]:
+    """Caught: a straggler incident naming the waiting rank, detected at or after the wait
+    began. Every other incident is false (a straggler one counts as a false straggler)."""
+    scenario = outcome.scenario
+    caught, false = None, []
+    for incident in sorted(outcome.incidents, key=lambda i: i["detected_step"] or i["first_step"]):
+        detected = (
+            incident["detected_step"] if incident["detected_step"] is not None else incident["first_step"]
+        )
+        named = WAITING_RANK in (incident["ranks"] or [])
+        if (
+            scenario.kind
+            and caught is None
+            and incident["kind"] == "straggler"
+            and named
+            and detected >= WAIT_FROM
+        ):
+            caught = {"delay_steps": detected - WAIT_FROM, "severity": incident["severity"]}
+        else:
+            false.append(
+                {"kind": incident["kind"], "first_step": incident["first_step"], "ranks": incident["ranks"]}
+            )
+    return {
+        "case": scenario.name,
+        "steps": outcome.steps,
+        "seconds": round(outcome.seconds),
+        "caught": caught,
+        "false_incidents": false,
+        "false_stragglers": sum(1 for f in false if f["kind"] == "straggler"),
+        "error": outcome.error,
+    }
+
+
+def straggler_report(clean_steps: int, only: str | None) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="rh-stragglers-", dir=os.environ.get("TMPDIR")))
+    rows = []
+    with busy_processes(2) as pids:
+        print(f"  busy processes {pids}; stores under {workdir}", file=sys.stderr)
+        for scenario in straggler_corpus(clean_steps):
+            if only and only not in scenario.name:
+                continue
+            row = score_straggler_run(run_scenario(scenario, workdir))
+            print(f"  {json.dumps(row)}", file=sys.stderr)
+            rows.append(row)
+    clean = [r for r in rows if r["case"].endswith("clean")]
+    return {
+        "clean_steps": sum(r["steps"] for r in clean),
+        "false_stragglers_clean": sum(r["false_stragglers"] for r in clean),
+        "false_incidents_clean": sum(len(r["false_incidents"]) for r in clean),
+        "delay_steps": {r["case"]: (r["caught"] or {}).get("delay_steps") for r in rows if r not in clean},
+        "cases": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", choices=["real", "scenarios", "all"], default="all")
     parser.add_argument("--scenario", default=None, help="run only scenarios whose name contains this")
     parser.add_argument("--cases", action="store_true", help="print every case, not only the summary")
+    parser.add_argument("--stragglers", action="store_true", help="the straggler runs alone (see above)")
+    parser.add_argument("--clean-steps", type=int, default=3000, help="--stragglers: the clean run's steps")
     args = parser.parse_args()
+    if args.stragglers:
+        print(json.dumps({"stragglers": straggler_report(args.clean_steps, args.scenario)}, indent=2))
+        return
     config = SeriesConfig()
     report: dict[str, Any] = {}
     if args.only in ("real", "all"):

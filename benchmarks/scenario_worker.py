@@ -8,6 +8,8 @@ with the faults of the detection corpus, each made the way it happens for real:
 - ``--overflow S:K``: fp16-style overflow storm: a GradScaler run whose gradients are
   infinite for K windows from update S (every rank skips; the scale halves each time);
 - ``--slow R:F:S``: rank R's compute takes F longer (0.1 = 10%) from update S on;
+- ``--wait R:F:S[:data]``: rank R waits (sleeps, as a rank blocked on I/O or preempted does)
+  F of its clean step time per update from update S on, inside its step (or in its loader);
 - ``--hang R:S``: rank R stops in its forward at update S (the others wait in the all-reduce);
 - ``--restart S:MODE``: at update S the job dies and restarts from its newest checkpoint,
   restoring everything (``clean``) or all but the scheduler (``lr_restart``), the data cursor
@@ -17,9 +19,12 @@ with the faults of the detection corpus, each made the way it happens for real:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--nan", default=None)
     parser.add_argument("--overflow", default=None)
     parser.add_argument("--slow", default=None)
+    parser.add_argument("--wait", default=None)
     parser.add_argument("--hang", default=None)
     parser.add_argument("--restart", default=None)
     return parser.parse_args()
@@ -58,6 +64,10 @@ class CanaryFaults:
         slow = args.slow.split(":") if args.slow else None
         self.slow = (int(slow[0]), float(slow[1]), int(slow[2])) if slow else None
         self.hang = pair(args.hang)
+        wait = args.wait.split(":") if args.wait else None
+        self.wait = (int(wait[0]), float(wait[1]), int(wait[2])) if wait else None
+        self.wait_in_loader = bool(wait and wait[3:] == ["data"])
+        self._ends: list[float] = []  # when each update before the wait's ended (perf_counter)
 
     def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         return loss * float("nan") if self.nan == (self.rank, step) else loss
@@ -69,6 +79,29 @@ class CanaryFaults:
     def before_forward(self, step: int) -> None:
         if self.hang == (self.rank, step):
             time.sleep(3600)  # stuck: the runner kills the job once the hang is reported
+
+    def waits(self, step: int) -> float:
+        """Seconds to sleep at this update: ``F`` of the rank's median step before ``S``, a
+        constant, so the rank is ``F`` slower than it was (its own slower steps do not feed
+        back into the wait)."""
+        if not self.wait or self.wait[0] != self.rank or step < self.wait[2] or len(self._ends) < 3:
+            return 0.0
+        return self.wait[1] * statistics.median(b - a for a, b in itertools.pairwise(self._ends))
+
+    def ended(self, step: int) -> None:
+        if self.wait and step < self.wait[2]:
+            self._ends = [*self._ends[-20:], time.perf_counter()]
+
+    def wait_in_step(self, step: int) -> None:
+        if not self.wait_in_loader:
+            time.sleep(self.waits(step))
+
+    def loader(self, batches: Iterator[dict[str, Any]], step: Callable[[], int]) -> Iterator[dict[str, Any]]:
+        """The loader, waiting before each batch when the wait is the loader's."""
+        for batch in batches:
+            if self.wait_in_loader:
+                time.sleep(self.waits(step()))
+            yield batch
 
     def stretch(self, step: int, since_cpu_s: float) -> float:
         """A slower device: each phase's work takes ``factor`` longer (spinning, not sleeping:
@@ -107,12 +140,14 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
         run_config={"scenario": environ.get("SCENARIO", "")},
     ) as rh:
         while True:
-            for item in rh.windows(
-                stream(task, rank, offset + cursor, set(), None), sample_ids=lambda b: b["ids"]
-            ):
+            batches = faults.loader(
+                stream(task, rank, offset + cursor, set(), None), lambda: int(rh.progress["step"] or 0) + 1
+            )
+            for item in rh.windows(batches, sample_ids=lambda b: b["ids"]):
                 cursor = item["index"] + 1 - offset
                 step = int(rh.progress["step"] or 0) + 1
                 faults.before_forward(step)
+                faults.wait_in_step(step)
                 phase = time.thread_time()
                 tokens = item["tokens"]
                 if args.corrupt and pair(args.corrupt) == (rank, cursor - 1):
@@ -141,6 +176,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 faults.stretch(step, phase)
                 rh.window_end()
+                faults.ended(step)
                 step, consumed = int(rh.progress["step"] or 0), int(rh.progress["consumed"] or 0)
                 if restart and not restarted and step == int(restart[0]):
                     break  # died between checkpoints: the steps since the last one are redone
