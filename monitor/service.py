@@ -118,6 +118,8 @@ class Service:
         self.decisions.acknowledged(run_id, new_rows.get("directive_ack", []))
         self.decisions.resumed(run_id, new_rows.get("resume", []))
         self.decisions.consider(run_id, sorted(set(touched)))
+        # A checkpoint's manifest can land after the incident it could recover was decided.
+        self.decisions.checkpoints_recorded(run_id, new_rows.get("checkpoint", []))
 
     def judge_waiting(self) -> list[int]:
         """The scheduler's pass over windows that nothing newer will release (a paused or

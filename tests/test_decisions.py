@@ -65,6 +65,50 @@ def test_the_proposal_rewinds_to_the_newest_valid_checkpoint_before_the_spike(
     assert any("not before the first affected step" in why for why in rejected.values())
 
 
+def test_a_checkpoint_recorded_after_the_incident_replaces_its_escalation_once(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    """The manifest of the save at step 60 lands after the spike at 65 was decided (it is built
+    off the training thread): the escalation is superseded by a rollback to 60, once."""
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(service, run, spiky_windows(range(1, 75), spike=65))
+    with service.engine.connect() as connection:
+        (escalated,) = list_proposals(connection, run.name)
+    assert (escalated["action"], escalated["status"]) == ("escalate", "escalated")
+    assert "no valid, finite checkpoint before step 65" in escalated["evidence"]["reasons"][0]
+
+    landed = checkpoint(tmp_path, 60)
+    post(service, run, [landed])
+    post(service, run, [landed])  # sent again: a duplicate, nothing to decide again
+    post(service, run, [checkpoint(tmp_path, 70)])  # after the spike: no target
+    with service.engine.connect() as connection:
+        replaced, fresh = list_proposals(connection, run.name)
+        story = audit.story(connection, fresh["incident"])
+    assert (replaced["id"], replaced["status"]) == (escalated["id"], "superseded")
+    assert (fresh["action"], fresh["status"], fresh["target"]["step"]) == ("rollback", "pending", 60)
+    (superseded,) = [e for e in story if e["action"] == "proposal_superseded"]
+    assert superseded["subject"] == f"proposal:{escalated['id']}"
+    assert "checkpoint" in superseded["reason"] and "step 60" in superseded["reason"]
+    assert f"the escalation is replaced by proposal {fresh['id']}" in superseded["reason"]
+    assert [e["action"] for e in story].count("proposed") == 1
+
+
+def test_a_newer_checkpoint_retargets_a_pending_proposal_and_an_older_or_invalid_one_does_not(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    proposal = spiked_run(service, run, tmp_path)  # rewinds to 20 (40 is tampered)
+    post(service, run, [checkpoint(tmp_path, 50, tamper=True)])  # invalid: no better target
+    post(service, run, [checkpoint(tmp_path, 10)])  # older than the target
+    with service.engine.connect() as connection:
+        assert [p["id"] for p in list_proposals(connection, run.name)] == [proposal["id"]]
+    post(service, run, [checkpoint(tmp_path, 60)])
+    with service.engine.connect() as connection:
+        old, fresh = list_proposals(connection, run.name)
+    assert (old["status"], old["target"]["step"]) == ("superseded", 20)
+    assert (fresh["status"], fresh["target"]["step"], fresh["cost_steps"]) == ("pending", 60, 74 - 60)
+    assert "step 60" in old["reason"]
+
+
 @pytest.fixture
 def served(service: Service) -> Any:
     with BackgroundServer(service) as server:

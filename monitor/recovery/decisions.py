@@ -9,7 +9,7 @@ an audit entry with who, when, why and the evidence. The decision logic itself i
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -166,6 +166,94 @@ class Decisions:
                         proposals.append(proposal_id)
         return proposals
 
+    def checkpoints_recorded(self, run_id: int, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Checkpoints just recorded, each with its manifest (built off the training thread, it can
+        land after the incident it could recover): an incident whose proposal awaits a decision
+        having found no valid checkpoint, or only an older one, is decided again, once, when one
+        of them precedes its first affected step. Only a newer target replaces the proposal (the
+        old one superseded, saying by which checkpoint); anything else leaves it as it is."""
+        steps = [int(row["step"]) for row in rows if row.get("manifest")]
+        if not steps:
+            return []
+        created = []
+        with self._lock, self._engine.begin() as connection:
+            for awaiting in self._awaiting_older_target(connection, run_id, min(steps), max(steps)):
+                proposal_id = self._retarget_to_newer(connection, run_id, awaiting)
+                if proposal_id is not None:
+                    created.append(proposal_id)
+        for proposal_id in created:
+            self._auto_approve(proposal_id)
+        return created
+
+    def _awaiting_older_target(
+        self, connection: Connection, run_id: int, lowest_step: int, highest_step: int
+    ) -> list[Any]:
+        """Undecided proposals of open incidents that checkpoints at steps ``lowest_step`` to
+        ``highest_step`` could improve: one precedes their first affected step, and they name no
+        target or an older one (``_retarget_to_newer`` decides)."""
+        return list(
+            connection.execute(
+                sa.select(PROPOSAL)
+                .join(INCIDENT, INCIDENT.c.id == PROPOSAL.c.incident_id)
+                .where(
+                    PROPOSAL.c.run_id == run_id,
+                    PROPOSAL.c.status.in_(_values(proposal_lifecycle.AWAITING_DECISION)),
+                    INCIDENT.c.status == "open",
+                    INCIDENT.c.first_step > lowest_step,
+                    sa.or_(PROPOSAL.c.target_step.is_(None), PROPOSAL.c.target_step < highest_step),
+                )
+                .order_by(PROPOSAL.c.id)
+            ).mappings()
+        )
+
+    def _retarget_to_newer(self, connection: Connection, run_id: int, awaiting: Any) -> int | None:
+        """Supersede ``awaiting`` by a fresh proposal when the policies now rewind to a newer
+        checkpoint than it did (or to one, where it found none); returns the fresh one's id."""
+        incident = (
+            connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == awaiting["incident_id"]))
+            .mappings()
+            .one()
+        )
+        now = self._clock()
+        proposal = self._proposal(connection, run_id, incident, now)
+        if proposal is None or proposal.target is None or proposal.action != "rollback":
+            return None  # a rollback is still not what it gets (retries spent, no remedy)
+        if awaiting["target_step"] is not None and proposal.target.step <= awaiting["target_step"]:
+            return None  # the new checkpoint is not the better target: nothing to decide again
+        reason = (
+            f"checkpoint {proposal.target.key} at step {proposal.target.step} recorded with its "
+            f"manifest: a rollback target before step {incident['first_step']}"
+        )
+        was = "escalation" if awaiting["status"] == ProposalStatus.ESCALATED.value else "proposal"
+        superseded = connection.execute(
+            PROPOSAL.update()
+            .where(
+                PROPOSAL.c.id == awaiting["id"],
+                PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(Supersede))),
+            )
+            .values(
+                status=proposal_lifecycle.outcome(Supersede).value,
+                decided_at=now,
+                decided_by="engine",
+                decision_reason=reason,
+            )
+        ).rowcount
+        if superseded != 1:
+            return None
+        fresh = self._store(connection, run_id, incident, proposal, "engine", now)
+        audit.append(
+            connection,
+            actor="engine",
+            action="proposal_superseded",
+            subject=f"proposal:{awaiting['id']}",
+            now=now,
+            run_id=run_id,
+            incident_id=incident["id"],
+            reason=f"{reason}; the {was} is replaced by proposal {fresh}",
+            details={"replaced_by": fresh, "was": awaiting["status"], "target_step": awaiting["target_step"]},
+        )
+        return fresh
+
     def _consider(self, connection: Connection, run_id: int, incident_id: int, actor: str) -> int | None:
         incident = (
             connection.execute(sa.select(INCIDENT).where(INCIDENT.c.id == incident_id)).mappings().first()
@@ -182,11 +270,18 @@ class Decisions:
         if live is not None:
             return None
         now = self._clock()
+        proposal = self._proposal(connection, run_id, incident, now)
+        if proposal is None:
+            return None
+        return self._store(connection, run_id, incident, proposal, actor, now)
+
+    def _proposal(self, connection: Connection, run_id: int, incident: Any, now: float) -> Proposal | None:
+        """What the policies propose for an open incident now (nothing stored)."""
         # The target's files are read again right before it is chosen (confirmed_facts).
         known, unsafe = checkpoints.confirmed_facts(connection, run_id, incident["first_step"], now)
         # The incident being recovered makes its own later checkpoints unsafe (it is open).
         facts = IncidentFacts(
-            key=incident_id,
+            key=incident["id"],
             kind=incident["kind"],
             first_step=incident["first_step"],
             last_step=incident["last_step"],
@@ -197,11 +292,8 @@ class Decisions:
         diagnosis = diagnose(incident_evidence(connection, incident))
         if incident["kind"] == "canary" and diagnosis.verdict is not Verdict.HARDWARE:
             return None  # one transient mismatch: the next canary round decides
-        retry = may_roll_back(self._rollbacks(connection, run_id), incident_id, now, self._config.retries)
-        proposal = propose(facts, known, unsafe, diagnosis, retry, self._config.proposals)
-        if proposal is None:
-            return None
-        return self._store(connection, run_id, incident, proposal, actor, now)
+        retry = may_roll_back(self._rollbacks(connection, run_id), incident["id"], now, self._config.retries)
+        return propose(facts, known, unsafe, diagnosis, retry, self._config.proposals)
 
     def _store(
         self, connection: Connection, run_id: int, incident: Any, proposal: Proposal, actor: str, now: float
