@@ -86,9 +86,15 @@ class CheckpointEvents:
         ``manifest`` it returns at once: a background thread hashes the files and sends the
         record when done (the checkpoint is a rollback target from then on); ``hash_files=False``
         records it without one (no rollback target). Rank 0 sends; other ranks' calls send
-        nothing and hash nothing. A path saved again with other content is a new version."""
+        nothing and hash nothing. A path saved again with other content is a new version.
+        ``consumed`` defaults to the count the given manifest names, else to the hook's own
+        consumed-example count now (None where the hook lost count): a rollback to this
+        checkpoint continues from it."""
         location = checkpoint_location(path)  # the trainer's working directory, not the service's
         now = self._clock()
+        if consumed is None:
+            named = (manifest or {}).get("consumed")
+            consumed = int(named) if named is not None else self._windows.consumed
         # Built now, so a bad value is refused at the call (``guarded``), not on the thread.
         event = records.checkpoint(
             step, location, now, manifest=manifest, consumed=consumed, tags=tags, metrics=metrics

@@ -69,10 +69,11 @@ def handle_rollback(
 
     ``load(path)``: restore the checkpoint at ``path`` into the trainer's live objects, return
     what the loop needs afterwards (its step counter, its data cursor). ``resume(loaded)``:
-    more keyword arguments for ``rh.resumed`` read from that result, such as ``consumed`` (the
-    consumed-example count the checkpoint recorded) or ``first_sample_ids``; the checkpoint's
-    path and step come from the directive. An exception from ``load`` is the trainer's and
-    passes: a rank that cannot restore must not train on."""
+    more keyword arguments for ``rh.resumed`` read from that result, such as ``consumed`` or
+    ``first_sample_ids``; the checkpoint's path and step come from the directive, and so does
+    ``consumed`` when ``resume`` gives none (the count the checkpoint recorded, which
+    ``rh.checkpoint_saved`` takes from the hook's own counter). An exception from ``load`` is
+    the trainer's and passes: a rank that cannot restore must not train on."""
     rh.window_end()
     if not rh.should_stop():
         return None
@@ -83,6 +84,8 @@ def handle_rollback(
     step = int(directive["checkpoint_step"])
     loaded = load(path)
     extra = dict(resume(loaded)) if resume is not None else {}
+    if extra.get("consumed") is None and directive.get("checkpoint_consumed") is not None:
+        extra["consumed"] = int(directive["checkpoint_consumed"])
     rh.resumed(checkpoint_path=path, checkpoint_step=step, **extra)
     return Rollback(
         directive=int(directive["id"]),

@@ -153,6 +153,7 @@ def test_an_operator_approves_from_the_cli_and_every_rank_gets_one_step(
     (directive,) = [d for d in response.json()["directives"] if d["kind"] == "rollback"]
     assert directive["act_at_step"] > 74
     assert directive["payload"]["checkpoint_step"] == 20
+    assert directive["payload"]["checkpoint_consumed"] == 8 * 20  # the checkpoint's count
     with store.connect() as connection:
         actions = [e["action"] for e in audit.story(connection, approved["incident"])]
     assert actions == ["incident_opened", "proposed", "approved", "directive"]

@@ -127,6 +127,7 @@ def test_a_rollback_is_restored_by_the_trainers_load_and_resumed(tmp_path: Path)
     trainer = Trainer()
     with hook(transport, tmp_path, trainer.model, trainer.optimizer) as rh:
         rollback, loaded = train_until_rollback(rh, trainer, transport, path)
+        assert wait_until(lambda: transport.records("step"), 10)  # sent by the sender thread
         stopped_incarnation = transport.records("step")[-1]["incarnation"]
         assert loaded == [str(path)]  # the trainer's own load, once, with the directive's path
         assert rollback.loaded == 2 and rollback.checkpoint_step == 2
@@ -198,6 +199,48 @@ def test_resume_passes_what_the_trainers_checkpoint_recorded(tmp_path: Path) -> 
     (resume,) = transport.records("resume")
     assert resume["restored"]["consumed"] == 16
     assert transport.records("step")[-1]["consumed"] == 16 + 2
+
+
+def test_without_resume_the_consumed_count_comes_from_the_directive(tmp_path: Path) -> None:
+    """The service puts the checkpoint's consumed count in the directive; a ``resume`` that
+    names one wins over it."""
+    path = tmp_path / "ckpt.pt"
+    transport = RollbackTransport(path)
+    transport.directive["payload"]["checkpoint_consumed"] = 4
+    trainer = Trainer()
+    with hook(transport, tmp_path, trainer.model, trainer.optimizer) as rh:
+        train_until_rollback(rh, trainer, transport, path)
+        trainer.window(rh, [30, 31])
+    (resume,) = transport.records("resume")
+    assert resume["restored"]["consumed"] == 4
+    assert transport.records("step")[-1]["consumed"] == 4 + 2
+    transport = RollbackTransport(path)
+    transport.directive["payload"]["checkpoint_consumed"] = 4
+    with hook(transport, tmp_path / "given", trainer.model, trainer.optimizer) as rh:
+        train_until_rollback(rh, trainer, transport, path, resume=lambda step: {"consumed": 99})
+    assert transport.records("resume")[0]["restored"]["consumed"] == 99
+
+
+def test_a_checkpoint_saved_without_consumed_records_the_hooks_own_count(tmp_path: Path) -> None:
+    """``checkpoint_saved(step, path)`` takes the hook's consumed count at the call (two
+    examples a window here), in the record and in its manifest; the count the directive then
+    carries back restores it."""
+    path = tmp_path / "ckpt.pt"
+    transport = RecordingTransport()
+    trainer = Trainer()
+    with hook(transport, tmp_path, trainer.model, trainer.optimizer) as rh:
+        for step in range(3):
+            trainer.window(rh, [step * 10, step * 10 + 1])
+        trainer.save(path, 3)
+        rh.checkpoint_saved(3, path)
+        trainer.window(rh, [30, 31])
+        rh.checkpoint_saved(4, tmp_path / "explicit.pt", consumed=7, hash_files=False)
+        given = {"step": 5, "consumed": 9, "files": [{"path": ".", "size": 1, "sha256": "0" * 64}]}
+        rh.checkpoint_saved(5, tmp_path / "given.pt", manifest=given)
+    first, second, third = sorted(transport.records("checkpoint"), key=lambda record: record["step"])
+    assert (first["step"], first["consumed"], first["manifest"]["consumed"]) == (3, 6, 6)
+    assert (second["step"], second["consumed"]) == (4, 7)  # a count the trainer gives wins
+    assert (third["step"], third["consumed"]) == (5, 9)  # and so does the manifest's
 
 
 def test_a_load_that_fails_raises_and_the_rank_stays_stopped(tmp_path: Path) -> None:

@@ -588,6 +588,8 @@ class Decisions:
                 "proposal": row["id"],
                 "checkpoint_path": row["target_path"],
                 "checkpoint_step": row["target_step"],
+                # The trainer's resume continues its consumed-example count from here.
+                "checkpoint_consumed": self._consumed_at(connection, row["checkpoint_id"]),
                 "skip_batches": row["skip_batches"],
                 "avoid_devices": avoid,
                 "avoid_nodes": [n for n in (row["quarantine_node"],) if n],
@@ -612,6 +614,15 @@ class Decisions:
             details={"kind": "rollback", "act_at_step": step, "proposal": row["id"]},
         )
         return directive_id
+
+    def _consumed_at(self, connection: Connection, checkpoint_id: int | None) -> int | None:
+        """The consumed-example count the checkpoint recorded (None: unknown, or no target)."""
+        if checkpoint_id is None:
+            return None
+        consumed = connection.execute(
+            sa.select(checkpoints.CHECKPOINT.c.consumed).where(checkpoints.CHECKPOINT.c.id == checkpoint_id)
+        ).scalar()
+        return None if consumed is None else int(consumed)
 
     def expire_holds(self) -> list[int]:
         """Holds whose timeout passed with their proposal undecided: released (the scheduler)."""
