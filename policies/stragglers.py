@@ -78,6 +78,12 @@ class StragglerConfig:
       16-18 windows after it began (at 1.45 it took 19-25). Outside the backward is only part
       of the step, so a wait of 10% of the step is a larger share of this time: 1.45x at the
       lighter load, 1.22x at the heavier one, where it stays among the healthy ranks' noise.
+    - ``host_slow_ratio`` 1.2 and ``host_recover_ratio`` 1.1: a CPU rank's thread CPU phases
+      (a run whose ranks send wall times) against their own thresholds: ranks sharing a host
+      share its caches and cores' pipelines, and a healthy rank's 3.5 ms forward of the
+      nanoGPT-style test trainer (4 ranks, the machine loaded) reached 1.14x its peers', under
+      both this rule and the one before it. A rank whose device work is slower still shows
+      in ``OWN_WALL`` (its own wall time grows as much).
     """
 
     slow_ratio: float = 1.09
@@ -92,6 +98,8 @@ class StragglerConfig:
     min_peers: int = 3
     phases: tuple[str, ...] = JUDGED
     wall_slow_ratio: float = 1.35
+    host_slow_ratio: float = 1.2
+    host_recover_ratio: float = 1.1
     wall_recover_ratio: float = 1.2
 
     def __post_init__(self) -> None:
@@ -107,15 +115,20 @@ class StragglerConfig:
             )
         if set(self.phases) - set(JUDGED):
             raise ValueError(f"StragglerConfig.phases must be among {JUDGED}")
-        if not 1 <= self.wall_recover_ratio <= self.wall_slow_ratio or self.wall_slow_ratio <= 1:
-            raise ValueError(
-                "StragglerConfig: 1 <= wall_recover_ratio <= wall_slow_ratio, wall_slow_ratio > 1"
-            )
+        for name in ("wall", "host"):
+            slow, recover = getattr(self, f"{name}_slow_ratio"), getattr(self, f"{name}_recover_ratio")
+            if not 1 <= recover <= slow or slow <= 1:
+                raise ValueError(
+                    f"StragglerConfig: 1 <= {name}_recover_ratio <= {name}_slow_ratio, {name}_slow_ratio > 1"
+                )
 
-    def thresholds(self, phase: str) -> tuple[float, float]:
-        """The ratios at which a rank slow in ``phase`` is flagged, and has recovered."""
+    def thresholds(self, phase: str, host_timed: bool = False) -> tuple[float, float]:
+        """The ratios at which a rank slow in ``phase`` is flagged, and has recovered.
+        ``host_timed``: the run's phases are host times (CPU ranks, which send wall times)."""
         if phase in WALL_JUDGED:
             return self.wall_slow_ratio, self.wall_recover_ratio
+        if host_timed:
+            return self.host_slow_ratio, self.host_recover_ratio
         return self.slow_ratio, self.recover_ratio
 
 
@@ -220,34 +233,38 @@ def observe_stragglers(
             previous = smoothed[phase][ranks[ok]]
             smoothed[phase][ranks[ok]] = previous + config.alpha * (ratio - previous)
         observed[ranks] += 1
-    scores = _nearest_thresholds(smoothed, observed, config)
+    limits = {p: config.thresholds(p, host_timed=OWN_WALL in typical) for p in smoothed}
+    scores = _nearest_thresholds(smoothed, observed, limits, config.min_windows)
     above, below = _grown(state.above, size), _grown(state.below, size)
-    over = {r for r, s in scores.items() if s.ratio >= config.thresholds(s.phase)[0]}
+    over = {r for r, s in scores.items() if s.ratio >= limits[s.phase][0]}
     slow = _persisting(above, over, config.persist)
-    quiet = {r for r in state.flagged if r in scores and _quiet(smoothed, r, config)}
+    quiet = {r for r in state.flagged if r in scores and _quiet(smoothed, r, limits)}
     recovered = _persisting(below, quiet, config.recover_windows) & state.flagged
     flagged = (set(state.flagged) - recovered) | slow
     below[list(recovered)] = 0  # counted again from the next episode
-    found = [_finding(window, scores[r], config) for r in sorted(slow - set(state.flagged))]
+    found = [_finding(window, scores[r], limits) for r in sorted(slow - set(state.flagged))]
     found += [_recovered(window, scores[r]) for r in sorted(recovered)]
     return StragglerState(smoothed, observed, above, frozenset(flagged), below, typical), tuple(found)
 
 
+Limits = dict[str, tuple[float, float]]  # phase -> (flagging, recovery) ratio
+
+
 def _nearest_thresholds(
-    smoothed: dict[str, Floats], observed: Floats, config: StragglerConfig
+    smoothed: dict[str, Floats], observed: Floats, limits: Limits, min_windows: int
 ) -> dict[int, StragglerScore]:
     """Each judged rank's phase furthest past (or nearest to) its own flagging threshold."""
-    limits = {p: math.log(config.thresholds(p)[0]) for p in smoothed}
+    logs = {p: math.log(limits[p][0]) for p in smoothed}
     scores = {}
-    for rank in np.flatnonzero(observed >= config.min_windows):
-        phase = max(smoothed, key=lambda p: smoothed[p][rank] - limits[p])
+    for rank in np.flatnonzero(observed >= min_windows):
+        phase = max(smoothed, key=lambda p: smoothed[p][rank] - logs[p])
         scores[int(rank)] = StragglerScore(int(rank), phase, math.exp(float(smoothed[phase][rank])))
     return scores
 
 
-def _quiet(smoothed: dict[str, Floats], rank: int, config: StragglerConfig) -> bool:
+def _quiet(smoothed: dict[str, Floats], rank: int, limits: Limits) -> bool:
     """Every phase of the rank below its recovery threshold."""
-    return all(smoothed[p][rank] < math.log(config.thresholds(p)[1]) for p in smoothed)
+    return all(smoothed[p][rank] < math.log(limits[p][1]) for p in smoothed)
 
 
 def _persisting(counts: Floats, now: set[int], windows: int) -> set[int]:
@@ -286,7 +303,7 @@ def _recovered(window: RankWindow, score: StragglerScore) -> Finding:
     )
 
 
-def _finding(window: RankWindow, score: StragglerScore, config: StragglerConfig) -> Finding:
+def _finding(window: RankWindow, score: StragglerScore, limits: Limits) -> Finding:
     index = int(np.flatnonzero(window.ranks == score.rank)[0]) if score.rank in window.ranks else None
     node = window.nodes[index] if index is not None else None
     device = window.devices[index] if index is not None else None
@@ -297,7 +314,7 @@ def _finding(window: RankWindow, score: StragglerScore, config: StragglerConfig)
         severity=severity,
         signal=f"{score.phase}_s",
         value=score.ratio,
-        threshold=config.thresholds(score.phase)[0],
+        threshold=limits[score.phase][0],
         message=(
             f"rank {score.rank} ({node or 'unknown node'}) is {score.ratio - 1:.0%} slower than its "
             f"data-parallel peers in {PHASE_NAMES.get(score.phase, score.phase)} "

@@ -196,6 +196,19 @@ def test_a_rank_that_waits_is_named_by_its_wall_time(slowdown: float, within: in
     assert "wall time outside its backward" in finding.message and finding.threshold == 1.35
 
 
+def test_a_cpu_ranks_thread_time_is_judged_against_the_host_thresholds() -> None:
+    """Ranks that send wall times share a host: 14% more CPU time in the forward (as a healthy
+    rank of the nanoGPT-style test trainer reached on the loaded machine) is no straggler; 30%
+    is, at the host threshold."""
+    for slowdown, named in ((1.14, []), (1.30, [(3, "forward_s", 1.2)])):
+        windows = [waiting(s, {}) for s in range(1, 120)]
+        for w in windows:
+            w[3]["forward_s"] *= slowdown
+            w[3]["forward_wall_s"] = w[3]["forward_s"]  # and its wall time with it
+        _, found = run_stragglers(windows)
+        assert [(f.rank, f.signal, f.threshold) for fs in found for f in fs] == named
+
+
 def test_a_rank_wavering_at_the_threshold_is_one_episode() -> None:
     """Slow stretches with short normal ones between them: one straggler, not one per stretch
     (it recovers only after staying below the lower threshold for ``recover_windows``)."""
@@ -230,6 +243,8 @@ def test_straggler_config_rejects_nonsense() -> None:
         StragglerConfig(min_phase_s=-1)
     with pytest.raises(ValueError, match="wall_recover_ratio"):
         StragglerConfig(wall_slow_ratio=1.2, wall_recover_ratio=1.3)
+    with pytest.raises(ValueError, match="host_slow_ratio"):
+        StragglerConfig(host_slow_ratio=1.0)
     with pytest.raises(ValueError):
         RankLossConfig(min_peers=2)
 
