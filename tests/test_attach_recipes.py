@@ -8,7 +8,9 @@
   checkpoints, resume and rollback: a NaN on one rank at iteration 70, the proposed rollback
   approved from the CLI, every rank restores ``out/ckpt.pt`` (overwritten in place at every
   evaluation, relative to the trainer's directory), resumes, and the resume verifies: the
-  incident is resolved, no second proposal, no dead letters. Then ``--init_from=resume`` in a
+  incident is resolved, no second proposal, no dead letters. A NaN right after a save (judged
+  before that checkpoint's manifest is recorded) escalates, and the checkpoint's record, once
+  it lands, supersedes the escalation by a rollback to it. Then ``--init_from=resume`` in a
   new job continues from the checkpoint file as the run left it. And three broken resumes of one
   checkpoint (the weights, the optimizer state, the schedule's place not restored), each caught
   at the first resumed step.
@@ -290,6 +292,45 @@ def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
     resumed.judged()
     assert [i for i in resumed.rows("incidents") if i["severity"] == "critical"] == []
     assert resumed.dead_letters() == []
+
+
+def test_nanogpt_a_nan_right_after_a_save_is_rolled_back_to_it_once_its_manifest_lands(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    """The NaN at iteration 41 (update 42) is judged before the checkpoint at 40 is recorded
+    (its manifest waits for quiet files, held at 3 s here so the order is certain): the
+    escalation for want of a checkpoint is superseded, once, by a rollback to 40 when the
+    record lands; approved, the resume continues the consumed count the checkpoint recorded."""
+    nan = job(
+        workdir, serve, "nanogpt-late-manifest", request, RUNHEALTH_HOOK__MANIFEST_SETTLE_S="3", **TARGETS
+    )
+    engine = create_store_engine(resolve_url(str(serve.db), {}))
+    request.addfinalizer(engine.dispose)
+    with engine.begin() as connection:
+        operator = add_operator(connection, "oncall-ann", actor="tests", now=time.time())
+    nan.torchrun(
+        "nanogpt_hooked.py", "--nan_at=41", "--nan_rank=1", "--always_save_checkpoint=False",
+        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
+    )  # fmt: skip
+    proposal = wait_for_proposal(nan, engine)
+    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 40)
+    with engine.connect() as connection:
+        escalated, pending = queries.list_proposals(connection, nan.run)
+    assert (escalated["action"], escalated["status"]) == ("escalate", "superseded")
+    assert "step 40 recorded with its manifest" in escalated["reason"] and pending["id"] == proposal["id"]
+    approved = cli(workdir, "approve", str(proposal["id"]), "--reason", "NaN", "--url", serve.url,
+                   "--token", operator)  # fmt: skip
+    assert approved["ok"], approved
+    nan.wait(timeout_s=300)
+    nan.judged()
+    (saved,) = [c for c in nan.rows("checkpoint_events") if c["step"] == 40]
+    resumes = nan.rows("resume_events")
+    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {40}
+    assert saved["consumed"] and {r["restored"]["consumed"] for r in resumes} == {saved["consumed"]}
+    (incident,) = nan.rows("incidents")
+    assert (incident["kind"], incident["first_step"], incident["status"]) == ("nonfinite", 42, "resolved")
+    assert [p["status"] for p in nan.rows("proposals")] == ["superseded", "done"]
+    assert nan.dead_letters() == []
 
 
 BROKEN_RESUMES = {
