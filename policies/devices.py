@@ -691,9 +691,7 @@ def _leave_one_out(
         bar = max(config.ratio * float(peers.max()), floor)
         rate = float(values[index])
         return (
-            PeerVerdict(keys[index], rate, array_median(peers), len(peers), bar, None)
-            if rate > bar
-            else None
+            PeerVerdict(keys[index], rate, array_median(peers), len(peers), bar, None) if rate > bar else None
         )
     center, scale = robust_center_scale(peers)
     return _verdict(keys[index], float(values[index]), center, scale, len(peers), config, floor)

@@ -22,7 +22,6 @@ MAD_TO_SIGMA = 1.4826
 SQRT2 = 2.0**0.5
 
 
-
 def median_of_sorted(ordered: Sequence[float]) -> float:
     """The median of values already in order (O(1)); an empty sequence has none."""
     n = len(ordered)

@@ -181,10 +181,7 @@ def test_a_device_without_any_optional_field_reads_as_unknowns() -> None:
     reading = device_reading(record)
     assert (reading.counters, reading.xids, reading.rank, reading.remap_pending) == ({}, (), None, None)
     assert device_findings(None, reading, CONFIG) == ()
-    assert (
-        device_findings(reading, device_reading({**record, "seq": 6, "time": T0 + 1}), CONFIG)
-        == ()
-    )
+    assert device_findings(reading, device_reading({**record, "seq": 6, "time": T0 + 1}), CONFIG) == ()
 
 
 def test_malformed_values_are_left_out_rather_than_trusted() -> None:
