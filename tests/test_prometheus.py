@@ -43,6 +43,7 @@ WORLD, NODES, STEPS = 4, 2, 200
 STEP_S = 0.05
 CORRUPT_STEP, NAN_STEP, ECC_STEP = 170, 185, 150
 NAN_RANK, SLOW_RANK, STUCK_RANK, ECC_RANK, MARGINAL_RANK = 1, 3, 2, 2, 0
+DEVICE_FORWARD_S = 0.003
 CANARY_STEPS = (60, 140)  # a healthy round sets the golden fingerprints; the next finds the marginal core
 HELD_BACK = (120, 0)  # (step, rank): its record waits in a spool until the end
 CHECKPOINT_STEPS = (10, 100, 160)
@@ -256,6 +257,9 @@ class Training:
             loss_sum = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels[rows].reshape(-1), reduction="sum"
             )
+            # A device's forward for a real model takes milliseconds; this toy's takes a fraction
+            # of one, under the straggler rule's floor (``StragglerConfig.min_phase_s``, 2 ms).
+            time.sleep(DEVICE_FORWARD_S)
             if rank == SLOW_RANK:  # a throttled device: its forward takes 60% longer
                 time.sleep(0.6 * (time.perf_counter() - t0))
             t1 = time.perf_counter()
