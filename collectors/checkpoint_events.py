@@ -207,9 +207,16 @@ class CheckpointEvents:
         if resume is None or not windows.active:
             return
         windows.pending_resume = None
-        ids = windows.window.sample_ids if windows.window is not None else None
+        window = windows.window
+        ids = window.sample_ids if window is not None else None
         first_ids = render_ids(ids, self._max_sample_ids)
+        restored = resume.restored
+        if window is not None and type(window.lr) is float:
+            # The rate the first window trains with. A loop that sets the rate itself each
+            # iteration (nanoGPT) has not set it yet when it calls ``resumed``: with a fresh
+            # optimizer the rate read then is the constructor's, not the schedule's.
+            restored = {**restored, "first_window_lr": to_wire(window.lr)}
         event = records.resume(
-            resume.restored, resume.checkpoint_path, resume.checkpoint_step, resume.time, first_ids
+            restored, resume.checkpoint_path, resume.checkpoint_step, resume.time, first_ids
         )
         self._outbox.submit_event(event)

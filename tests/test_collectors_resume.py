@@ -101,6 +101,28 @@ def test_the_optimizer_says_how_many_parameters_it_holds_and_how_many_have_state
     assert "exp_avg_norm" not in optimizer_state and "optimizer_step_max" not in optimizer_state
 
 
+def test_the_resume_carries_the_rate_its_first_window_trains_with(tmp_path: Path) -> None:
+    """A nanoGPT-style loop sets the rate itself at the top of each iteration, after ``resumed``:
+    the optimizer's rate at the resume (a fresh optimizer's constructor value) is not the
+    schedule's; the first window's is."""
+    model, _ = trained(0)
+    fresh = torch.optim.AdamW(model.parameters(), lr=6e-4)  # nanoGPT: the peak rate
+    transport = RecordingTransport()
+    rh = RunHealth(config=config(tmp_path), transport=transport, environ={}, hostname=lambda: "n")
+    with rh.start():
+        rh.watch(optimizer=fresh)
+        rh.resumed(checkpoint_path="ckpt-3", checkpoint_step=3, consumed=12)
+        for group in fresh.param_groups:
+            group["lr"] = 2.5e-4  # get_lr(iter_num): where the schedule is at step 3
+        tokens, offsets = get_batch()
+        rh.window_start(sample_ids=offsets)
+        rh.loss(lm_loss(model, tokens), labels=tokens)
+        rh.window_end()
+    (resume,) = transport.records("resume")
+    assert resume["restored"]["optimizer"]["lr"] == [6e-4]
+    assert resume["restored"]["first_window_lr"] == 2.5e-4
+
+
 def test_the_data_position_says_what_can_be_checked(tmp_path: Path) -> None:
     _, optimizer = trained(3)
     sampler_state = {"seed": 1337, "offset": 12, "rng": torch.get_rng_state()}

@@ -100,6 +100,11 @@ def test_resume_facts_read_the_hooks_nested_form_before_flat_keys() -> None:
     )
 
 
+def test_resume_facts_take_the_first_windows_rate_over_the_optimizers() -> None:
+    restored = {"optimizer": {"lr": [6e-4]}, "scheduler": {"last_lr": [9.9]}, "first_window_lr": 2.5e-4}
+    assert resume_facts("inc", 0, 40, restored).lr == 2.5e-4
+
+
 def test_the_engines_selected_columns_are_all_a_window_reads() -> None:
     full = [
         step_row(

@@ -130,7 +130,14 @@ def resume_facts(
         optimizer_step=_first(optimizer.get("optimizer_step_max"), restored.get("optimizer_step")),
         exp_avg_norm=_first(optimizer.get("exp_avg_norm"), restored.get("exp_avg_norm")),
         exp_avg_sq_norm=_first(optimizer.get("exp_avg_sq_norm"), restored.get("exp_avg_sq_norm")),
-        lr=_first(_head(optimizer.get("lr")), _head(scheduler.get("last_lr")), restored.get("lr")),
+        # The first window's rate when the hook saw it (``CheckpointEvents.flush_resume``): what
+        # the run trains with, where the optimizer's rate at the resume may not be yet.
+        lr=_first(
+            restored.get("first_window_lr"),
+            _head(optimizer.get("lr")),
+            _head(scheduler.get("last_lr")),
+            restored.get("lr"),
+        ),
         scheduler_last_epoch=_first(scheduler.get("last_epoch"), restored.get("scheduler_last_epoch")),
         consumed=restored.get("consumed"),
         first_sample_ids=tuple(ids) if ids is not None else None,
