@@ -225,20 +225,7 @@ class Decisions:
             f"manifest: a rollback target before step {incident['first_step']}"
         )
         was = "escalation" if awaiting["status"] == ProposalStatus.ESCALATED.value else "proposal"
-        superseded = connection.execute(
-            PROPOSAL.update()
-            .where(
-                PROPOSAL.c.id == awaiting["id"],
-                PROPOSAL.c.status.in_(_values(proposal_lifecycle.sources(Supersede))),
-            )
-            .values(
-                status=proposal_lifecycle.outcome(Supersede).value,
-                decided_at=now,
-                decided_by="engine",
-                decision_reason=reason,
-            )
-        ).rowcount
-        if superseded != 1:
+        if not _supersede(connection, awaiting["id"], proposal_lifecycle.sources(Supersede), reason, now):
             return None
         fresh = self._store(connection, run_id, incident, proposal, "engine", now)
         audit.append(
@@ -442,17 +429,7 @@ class Decisions:
         problem = checkpoints.target_problem(connection, row["run_id"], row["checkpoint_id"], now)
         if problem is None:
             return None
-        superseded = connection.execute(
-            PROPOSAL.update()
-            .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(awaiting))
-            .values(
-                status=proposal_lifecycle.outcome(Supersede).value,
-                decided_at=now,
-                decided_by="engine",
-                decision_reason=problem,
-            )
-        ).rowcount
-        if superseded != 1:
+        if not _supersede(connection, proposal_id, proposal_lifecycle.AWAITING_DECISION, problem, now):
             return None  # decided meanwhile: the decision below says how
         audit.append(
             connection,
@@ -873,6 +850,26 @@ def _approval(row: sa.RowMapping) -> Approve:
     return Approve(
         rollback=row["action"] == "rollback",
         quarantine=bool(row["quarantine_node"] or row["quarantine_device"]),
+    )
+
+
+def _supersede(
+    connection: Connection, proposal_id: int, sources: Iterable[StrEnum], reason: str, now: float
+) -> bool:
+    """The engine supersedes one proposal, if it is still in one of ``sources`` (a decision
+    that came meanwhile stands)."""
+    return (
+        connection.execute(
+            PROPOSAL.update()
+            .where(PROPOSAL.c.id == proposal_id, PROPOSAL.c.status.in_(_values(sources)))
+            .values(
+                status=proposal_lifecycle.outcome(Supersede).value,
+                decided_at=now,
+                decided_by="engine",
+                decision_reason=reason,
+            )
+        ).rowcount
+        == 1
     )
 
 
