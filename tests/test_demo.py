@@ -36,7 +36,10 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     hardware = next(p for p in result["proposals"] if p["verdict"] == "hardware")
     assert hardware["quarantine"]["node"] == "node-2" and hardware["status"] == "pending"
     assert result["audit_ok"]
-    assert result["seconds"] < 120
+    # About 35 s on a quiet machine (README); the bound leaves room for a loaded one (two busy
+    # processes beside the suite) and still catches a demo that waits something out, as a hold
+    # that nothing released would (its timeout is 600 s).
+    assert result["seconds"] < 300
     outage = result["outage"]  # the service was killed mid-run and came back
     assert outage["killed_at_step"] >= 75 and outage["spooled"] > 0
     assert outage["replayed"] == outage["spooled"]
