@@ -50,7 +50,6 @@ thread (``self.log(..., sync_dist=True)`` every step would all-reduce and read i
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -65,6 +64,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by the no-lightning check
     raise ImportError("collectors.lightning needs lightning: pip install 'runhealth[lightning]'") from exc
 
+from collectors.checkpoints import checkpoint_location
 from collectors.guard import guarded
 from collectors.hook import RunHealth
 
@@ -295,8 +295,6 @@ def unscaled_norm(norm: Any, optimizer: Any, scaler: Any) -> Any:
 
 
 def checkpoint_key(path: Any) -> str | None:
-    """A checkpoint's path as both the save and the resume name it: absolute when local."""
-    if path is None:
-        return None
-    text = str(os.fspath(path))
-    return text if "://" in text else os.path.abspath(text)
+    """A checkpoint's path as both the save and the resume name it (``checkpoint_location``:
+    absolute when local)."""
+    return None if path is None else checkpoint_location(path)
