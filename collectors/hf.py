@@ -15,6 +15,13 @@ and what it logs is a rounded mean of per-rank means, not this rank's token-weig
   ``num_items_in_batch`` the model's loss is its sum over that window-wide (and, with
   ``average_tokens_across_devices``, world-wide) token count; the hook multiplies it back into
   this microbatch's sum, on the device.
+- A loss computed outside the model (a ``compute_loss`` override that pops the labels, as the
+  transformers docs show; ``compute_loss_func``; label smoothing): the model's output carries
+  none, so the callback wraps this trainer's ``compute_loss`` and takes what it returns, with the
+  labels it was handed (read before the override pops them). It is taken as the microbatch's
+  mean over its supervised tokens (what ``CrossEntropyLoss`` and the label smoother return),
+  or, under ``compute_loss_func`` with ``num_items_in_batch``, as its share of the window's sum
+  (that function's contract). Given the trainer only, like the grad norm.
 - The grad norm before clipping: the Trainer gets it, as a device tensor, from
   ``accelerator.clip_grad_norm_`` and hands callbacks nothing of it (``on_pre_optimizer_step``
   comes after clipping; ``on_log`` gets a float after its own ``.item()``, on logging steps
@@ -32,6 +39,10 @@ and what it logs is a rounded mean of per-rank means, not this rank's token-weig
   checkpoint is a rollback target once that manifest is recorded. ``manifests=False`` records
   checkpoints without it (they are then no rollback target).
 - Resume: ``global_step > 0`` at ``on_train_begin`` (the Trainer loaded a checkpoint's state).
+  The resume states the data position the Trainer restored: the checkpoint's consumed count,
+  or, under ``ignore_data_skip`` with a checkpoint inside an epoch, the count at that epoch's
+  start (the Trainer restarts the epoch's loader from its first batch instead of skipping to
+  the checkpoint's), which the service reports as a data cursor reset or mismatch.
 - Directives: after each window, ``rh.should_stop()``; a rollback stops the Trainer there
   (``control.should_training_stop``), on every rank at the same step, and ``rh.directive`` says
   what to restore.
@@ -93,6 +104,10 @@ class RunHealthCallback(TrainerCallback):
         self._idle_since: float | None = None  # when the Trainer last finished its own work
         self._forward_handle: Any = None
         self._clip_wrapper: Any = None
+        self._loss_wrapper: Any = None
+        self._loss_seen = False  # the model's forward hook took the current microbatch's loss
+        self._epoch_start_consumed: int | None = 0
+        self._resumed_in_epoch = False  # the next on_epoch_begin continues an epoch, not starts one
 
     # Attaching and detaching.
 
@@ -122,6 +137,7 @@ class RunHealthCallback(TrainerCallback):
         if model is not None and self._forward_handle is None:
             self._forward_handle = model.register_forward_hook(self._after_forward, with_kwargs=True)
         self._wrap_clip()
+        self._wrap_compute_loss()
         if state.global_step > 0:
             self._resumed(args, state)
         self._idle_since = time.perf_counter()
@@ -135,6 +151,7 @@ class RunHealthCallback(TrainerCallback):
             self._forward_handle.remove()
             self._forward_handle = None
         self._unwrap_clip()
+        self._unwrap_compute_loss()
         if self._owned:
             self.rh.close("stopped" if self.rh.directive is not None else "completed")
             self._closed = True
@@ -146,6 +163,10 @@ class RunHealthCallback(TrainerCallback):
         self, /, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._idle_since = time.perf_counter()  # the epoch's iterator is made after this
+        if self._resumed_in_epoch:  # the resumed epoch began before the checkpoint
+            self._resumed_in_epoch = False
+        else:
+            self._epoch_start_consumed = self.rh.progress["consumed"]
 
     @guarded
     def on_step_begin(
@@ -187,8 +208,9 @@ class RunHealthCallback(TrainerCallback):
             return
         labels = kwargs.get("labels")
         loss = output_loss(output, labels)
-        if loss is None:  # a loss computed outside the model (compute_loss_func, label smoothing)
+        if loss is None:  # a loss computed outside the model: see _wrap_compute_loss
             return
+        self._loss_seen = True
         loss = loss.detach()
         tokens = None
         shift_labels = kwargs.get("shift_labels")  # padding-free collators: already the targets
@@ -227,6 +249,45 @@ class RunHealthCallback(TrainerCallback):
         accelerator.clip_grad_norm_ = clip_grad_norm_
         self._clip_wrapper = clip_grad_norm_
 
+    def _wrap_compute_loss(self) -> None:
+        """Take the loss ``compute_loss`` returns when the model's output had none (see the
+        module docstring). Only on this trainer, undone at ``on_train_end``."""
+        if self._trainer is None or self._loss_wrapper is not None:
+            return
+        compute = self._trainer.compute_loss
+        callback = self
+
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            labels = inputs.get("labels") if isinstance(inputs, Mapping) else None  # before a pop
+            callback._loss_seen = False
+            result = compute(model, inputs, *args, **kwargs)
+            if not callback._loss_seen:
+                callback._outside_loss(model, result, labels, kwargs.get("num_items_in_batch"))
+            return result
+
+        self._trainer.compute_loss = compute_loss  # type: ignore[method-assign]
+        self._loss_wrapper = compute_loss
+
+    @guarded
+    def _outside_loss(self, model: Any, result: Any, labels: Any, items: Any) -> None:
+        """A training microbatch's loss that ``compute_loss`` computed outside the model."""
+        if not (self._open and getattr(model, "training", False)):
+            return
+        loss = result[0] if isinstance(result, tuple | list) and result else result
+        if not (hasattr(loss, "detach") and loss.dim() == 0):
+            return
+        loss = loss.detach()
+        if items is not None and getattr(self._trainer, "compute_loss_func", None) is not None:
+            self.rh.loss(loss * items, labels=labels, reduction="sum")  # a share of the window's sum
+        else:
+            self.rh.loss(loss, labels=labels, reduction="mean")
+
+    def _unwrap_compute_loss(self) -> None:
+        wrapper, self._loss_wrapper = self._loss_wrapper, None
+        trainer = self._trainer
+        if wrapper is not None and trainer is not None and vars(trainer).get("compute_loss") is wrapper:
+            del trainer.compute_loss  # the class's method again
+
     def _unwrap_clip(self) -> None:
         wrapper, self._clip_wrapper = self._clip_wrapper, None
         if wrapper is None or self._trainer is None:
@@ -246,7 +307,8 @@ class RunHealthCallback(TrainerCallback):
         step, consumed = int(progress["step"] or 0), progress["consumed"]
         # Only counters the hook kept (no windows: it is not attached, and they mean nothing).
         if args.should_save and progress["attempt"] and os.path.isdir(path):
-            write_progress(path, {**progress, "global_step": state.global_step})
+            extra = {"global_step": state.global_step, "epoch_start_consumed": self._epoch_start_consumed}
+            write_progress(path, {**progress, **extra})
         # Returns at once: the manifest is built off this thread (see the module docstring).
         self.rh.checkpoint_saved(step, path, consumed=consumed, hash_files=self._manifests)
         self._idle_since = time.perf_counter()
@@ -259,11 +321,18 @@ class RunHealthCallback(TrainerCallback):
         path = checkpoint_folder(args, state)
         found = os.path.isdir(path)
         progress = read_progress(path) if found else {}
+        self._epoch_start_consumed = progress.get("epoch_start_consumed")
+        self._resumed_in_epoch = not float(state.epoch or 0).is_integer()
+        consumed = progress.get("consumed")
+        if args.ignore_data_skip and self._resumed_in_epoch:
+            # The Trainer restarts this epoch's loader from its first batch: that is where the
+            # data is, whatever the checkpoint says (None when the checkpoint did not record it).
+            consumed = self._epoch_start_consumed
         self.rh.resumed(
             checkpoint_path=path if found else None,
             checkpoint_step=progress.get("step"),
-            consumed=progress.get("consumed"),
-            extra={"global_step": state.global_step},
+            consumed=consumed,
+            extra={"global_step": state.global_step, "ignore_data_skip": bool(args.ignore_data_skip)},
         )
 
 

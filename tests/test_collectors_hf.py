@@ -230,6 +230,71 @@ def test_a_resumed_run_continues_the_counters_from_its_checkpoint(
     assert restored["scheduler"]["last_epoch"] == 2
 
 
+class LabelsPoppedTrainer(ObservedTrainer):
+    """The transformers docs' custom loss: ``compute_loss`` pops the labels, calls the model
+    without them (its output has no loss) and computes a mean cross-entropy itself."""
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        targets = labels[:, 1:]
+        logits = outputs.logits[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
+        total = float(loss.detach()) * int((targets != -100).sum())
+        self.microbatches.append((total, int((targets != -100).sum())))
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.slow
+def test_a_loss_computed_outside_the_model_is_recorded_with_the_labels_it_was_given(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    run = "hf-popped-labels"
+    rh = hook_for(serve, run, tmp_path)
+    base = trainer_for(tmp_path / "out", save_strategy="no")
+    trainer = LabelsPoppedTrainer(model=base.model, args=base.args, train_dataset=base.train_dataset)
+    callback = RunHealthCallback(trainer, rh=rh)
+    trainer.add_callback(callback)
+    with closing(rh):
+        trainer.train()
+    steps = stored_steps(serve, run, 4)
+
+    observed = windows(trainer.microbatches)
+    assert [s["tokens"] for s in steps] == [sum(tokens for _, tokens in window) for window in observed]
+    for record, window in zip(steps, observed, strict=True):
+        assert record["loss_sum"] == pytest.approx(sum(total for total, _ in window), rel=1e-5)
+    assert "compute_loss" not in vars(trainer)  # unwrapped at the end of training
+
+
+@pytest.mark.slow
+def test_a_resume_that_ignores_the_data_skip_is_a_data_cursor_reset(
+    serve: ServeProcess, tmp_path: Path
+) -> None:
+    """``ignore_data_skip``: the Trainer restores the weights, the optimizer and the schedule
+    of checkpoint-2 (half way through the epoch) but restarts the epoch's loader at its first
+    batch. The resume says so, and the service finds the data cursor reset."""
+    first = hook_for(serve, "hf-data-skip", tmp_path / "first")
+    trainer = trainer_for(tmp_path / "out")
+    trainer.add_callback(RunHealthCallback(trainer, rh=first))
+    with closing(first):
+        trainer.train()
+    second = RunHealth(config=first.config, environ={}, hostname=lambda: "node-a")
+    resumed = trainer_for(tmp_path / "out", ignore_data_skip=True)
+    resumed.add_callback(RunHealthCallback(resumed, rh=second))
+    with closing(second):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+    (resume,) = stored(serve, "resume_events", "hf-data-skip", 1)
+    assert resume["restored"]["consumed"] == 0 and resume["restored"]["ignore_data_skip"] is True
+    steps = stored_steps(serve, "hf-data-skip", 6)
+    later = [s for s in steps if s["incarnation"] == second.incarnation]
+    assert [(s["step"], s["consumed"]) for s in later] == [(3, 8), (4, 16)]  # the epoch again
+    findings = stored(serve, "findings", "hf-data-skip", 1)
+    assert "data_cursor_reset" in {f["kind"] for f in findings if f["incarnation"] == second.incarnation}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_a_skipped_fp16_update_is_an_attempt_but_not_a_step(
