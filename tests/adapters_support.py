@@ -40,7 +40,7 @@ def hook_for(serve: ServeProcess, run: str, root: Path) -> RunHealth:
     return RunHealth(config=config, environ={}, hostname=lambda: "node-a")
 
 
-JSON_COLUMNS = ("manifest", "restored", "tags", "metrics", "sample_ids")
+JSON_COLUMNS = ("manifest", "restored", "tags", "metrics", "sample_ids", "ranks", "nodes", "devices")
 
 
 def run_rows(db: Path, table: str, run: str) -> list[dict[str, Any]]:

@@ -234,14 +234,55 @@ def test_nanogpt_with_the_hook_and_values_alone_stores_every_window_and_opens_no
     assert clean.dead_letters() == []
 
 
+def approve_and_verify_rollback(
+    run: Job, engine: Engine, workdir: Path, kind: str, first_step: int, ranks: list[int]
+) -> None:
+    """The run's one proposal: a rollback to the checkpoint at 40 for a ``kind`` incident
+    first seen at ``first_step`` on ``ranks`` (later windows may spread it to every rank). Approved from the CLI, every rank stops at one
+    step, restores, resumes at 41 and the resume verifies: the incident is resolved, no second
+    proposal, nothing else critical, no dead letters."""
+    with engine.begin() as connection:
+        operator = add_operator(connection, f"oncall-{run.run}", actor="tests", now=time.time())
+    proposal = wait_for_proposal(run, engine)
+    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 40)
+    assert proposal["target"]["path"] == str(workdir / "out" / "ckpt.pt")  # made absolute by the hook
+    approved = cli(workdir, "approve", str(proposal["id"]), "--reason", kind, "--url", run.serve.url,
+                   "--token", operator)  # fmt: skip
+    assert approved["ok"], approved
+    run.wait(timeout_s=300)
+
+    acks = [
+        a
+        for a in table_rows(run.serve.db, "directive_acks")
+        if a["directive_id"] == approved["proposal"]["directive"]
+    ]
+    assert sorted(a["rank"] for a in acks) == list(range(WORLD)) and {a["status"] for a in acks} == {"done"}
+    resumes = run.rows("resume_events")
+    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {40}
+    steps = run.rows("step_records")
+    after = [s for s in steps if s["incarnation"] == resumes[0]["incarnation"]]
+    assert min(s["step"] for s in after) == 41  # every rank went on from the checkpoint
+    assert all(s["loss_sum"] is not None and np.isfinite(s["loss_sum"]) for s in after)
+    run.judged()
+    incidents = run.rows("incidents")
+    found = [i for i in incidents if i["kind"] == kind]
+    assert len(found) == 1 and found[0]["first_step"] == first_step, incidents
+    assert found[0]["status"] == "resolved", incidents
+    first = [
+        f for f in run.rows("findings") if f["incident_id"] == found[0]["id"] and f["step"] == first_step
+    ]
+    assert sorted(f["rank"] for f in first if f["rank"] is not None) == ranks, first  # where it began
+    assert [i for i in incidents if i["severity"] == "critical" and i["status"] != "resolved"] == []
+    assert len(run.rows("proposals")) == 1  # no second rollback: no recovery loop
+    assert run.dead_letters() == []
+
+
 def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
     workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
 ) -> None:
     nan = job(workdir, serve, "nanogpt-nan", request, **TARGETS)
     engine = create_store_engine(resolve_url(str(serve.db), {}))
     request.addfinalizer(engine.dispose)
-    with engine.begin() as connection:
-        operator = add_operator(connection, "oncall-bob", actor="tests", now=time.time())
     # A NaN at iteration 70 on rank 1 (update 71), 30 iterations after the checkpoint at 40 (its
     # manifest is recorded a second or two after the save). After the NaN the run never saves
     # (a NaN val loss is no improvement), so step 40 stays the newest valid checkpoint.
@@ -249,34 +290,7 @@ def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
         "nanogpt_hooked.py", "--nan_at=70", "--nan_rank=1", "--always_save_checkpoint=False",
         "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
     )  # fmt: skip
-    proposal = wait_for_proposal(nan, engine)
-    assert proposal["target"]["step"] == 40
-    assert proposal["target"]["path"] == str(workdir / "out" / "ckpt.pt")  # made absolute by the hook
-    approved = cli(workdir, "approve", str(proposal["id"]), "--reason", "NaN", "--url", serve.url,
-                   "--token", operator)  # fmt: skip
-    assert approved["ok"], approved
-    nan.wait(timeout_s=300)
-
-    acks = [
-        a
-        for a in table_rows(serve.db, "directive_acks")
-        if a["directive_id"] == approved["proposal"]["directive"]
-    ]
-    assert sorted(a["rank"] for a in acks) == list(range(WORLD)) and {a["status"] for a in acks} == {"done"}
-    resumes = nan.rows("resume_events")
-    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {40}
-    steps = nan.rows("step_records")
-    after = [s for s in steps if s["incarnation"] == resumes[0]["incarnation"]]
-    assert min(s["step"] for s in after) == 41  # every rank went on from the checkpoint
-    assert all(s["loss_sum"] is not None and np.isfinite(s["loss_sum"]) for s in after)
-    nan.judged()
-    incidents = nan.rows("incidents")
-    nonfinite = [i for i in incidents if i["kind"] == "nonfinite"]
-    assert len(nonfinite) == 1 and nonfinite[0]["first_step"] == 71, incidents
-    assert nonfinite[0]["status"] == "resolved", incidents
-    assert [i for i in incidents if i["severity"] == "critical" and i["status"] != "resolved"] == []
-    assert len(nan.rows("proposals")) == 1  # no second rollback: no recovery loop
-    assert nan.dead_letters() == []
+    approve_and_verify_rollback(nan, engine, workdir, "nonfinite", 71, [1])
 
     # The same checkpoint file, in a new job: --init_from=resume continues from what it holds.
     saved = int(torch.load(workdir / "out" / "ckpt.pt")["iter_num"])
@@ -292,6 +306,32 @@ def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
     resumed.judged()
     assert [i for i in resumed.rows("incidents") if i["severity"] == "critical"] == []
     assert resumed.dead_letters() == []
+
+
+def test_nanogpt_a_corrupted_batch_is_a_spike_at_its_step_rolled_back_after_approval(
+    workdir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Rank 2's first microbatch of iteration 70 (update 71) is random tokens: its loss per
+    token leaves its peers' at that window, and nowhere else. The script overwrites its one
+    checkpoint file whenever the val loss improves, and a single bad batch does not stop it
+    improving, so by the time a human approves, the checkpoint at 40 would be gone (the service
+    then escalates: no valid checkpoint before the spike). The service is therefore run as the
+    README says for such a trainer, holding a spike's proposal: every rank pauses a few steps
+    after 71 until the operator decides."""
+    holding = ServeProcess(workdir / "serve", workdir / "serve" / "store.db",
+                           RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")  # fmt: skip
+    holding.root.mkdir()
+    holding.start()
+    request.addfinalizer(holding.stop)
+    bad = job(workdir, holding, "nanogpt-corrupt", request, **TARGETS)
+    engine = create_store_engine(resolve_url(str(holding.db), {}))
+    request.addfinalizer(engine.dispose)
+    bad.torchrun(
+        "nanogpt_hooked.py", "--corrupt_at=70", "--corrupt_rank=2", "--always_save_checkpoint=False",
+        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
+    )  # fmt: skip
+    approve_and_verify_rollback(bad, engine, workdir, "spike", 71, [2])
+    assert {i["kind"] for i in bad.rows("incidents")} == {"spike"}
 
 
 def test_nanogpt_a_nan_right_after_a_save_is_rolled_back_to_it_once_its_manifest_lands(
@@ -419,7 +459,7 @@ def cli(root: Path, *args: str) -> dict[str, Any]:
         timeout=120,
         check=False,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     parsed: dict[str, Any] = json.loads(result.stdout)
     return parsed
 
@@ -437,6 +477,35 @@ def test_a_trainer_subclass_attached_by_the_callback_line_stores_its_windows(
     checkpoints = hf.rows("checkpoint_events")
     assert {c["step"] for c in checkpoints} >= {6, 12}
     assert hf.dead_letters() == []
+
+
+def test_a_trainer_subclass_on_four_ranks_resumed_without_its_data_skip_is_a_cursor_reset(
+    workdir: Path, serve: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    """The Trainer subclass under ``torchrun`` (4 gloo ranks): 12 clean steps, then a resume
+    from checkpoint-6 with ``ignore_data_skip``, which restores weights, optimizer and schedule
+    but starts the epoch's data again. The clean job raises nothing; the resume is a
+    ``data_cursor_reset`` at its first window, and only that."""
+    require_module("transformers")
+    hf = job(workdir, serve, "hf-four-ranks", request)
+    hf.torchrun("hf_hooked.py", "--max_steps=12", "--output_dir=out-hf")
+    hf.wait()
+    steps = hf.rows("step_records")
+    assert sorted((s["step"], s["rank"]) for s in steps) == [
+        (t, r) for t in range(1, 13) for r in range(WORLD)
+    ]
+    hf.judged()
+    assert hf.rows("incidents") == []
+    resumed = job(workdir, serve, hf.run, request, hf.token)  # the same run, a new job
+    resumed.torchrun("hf_hooked.py", "--max_steps=12", "--output_dir=out-hf",
+                     "--resume_from=out-hf/checkpoint-6", "--ignore_data_skip")  # fmt: skip
+    resumed.wait()
+    restored = hf.rows("resume_events")
+    assert len(restored) == WORLD and {r["restored"]["consumed"] for r in restored} == {0}
+    hf.judged()
+    critical = [f for f in hf.rows("findings") if f["severity"] == "critical"]
+    assert {(f["kind"], f["step"]) for f in critical} == {("data_cursor_reset", 7)}, critical
+    assert hf.dead_letters() == []  # the two jobs share the spool folder
 
 
 def test_a_manual_optimization_module_attached_by_the_callback_line_stores_its_windows(

@@ -1,6 +1,7 @@
 """A transformers ``Trainer`` subclass, without runhealth: the baseline of the attach count.
 
     HF_HUB_OFFLINE=1 python hf_plain.py --data_dir=data --output_dir=out-hf --max_steps=12
+    HF_HUB_OFFLINE=1 torchrun --nproc_per_node=4 hf_plain.py --resume_from=out-hf/checkpoint-6
 
 Written the way fine-tuning scripts subclass the Trainer: the model built from a config (nothing
 downloaded), ``compute_loss`` overridden to add an auxiliary term to the model's own loss (a
@@ -47,6 +48,8 @@ def main():
     parser.add_argument("--data_dir", default="data")
     parser.add_argument("--output_dir", default="out-hf")
     parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--resume_from", default=None, help="a checkpoint folder to resume from")
+    parser.add_argument("--ignore_data_skip", action="store_true", help="resume without fast-forwarding the data")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -63,11 +66,12 @@ def main():
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        ignore_data_skip=args.ignore_data_skip,
     )
     trainer = ZLossTrainer(
         model=model, args=training, train_dataset=TokenBlocks(f"{args.data_dir}/train.bin", 32)
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from)
 
 
 if __name__ == "__main__":

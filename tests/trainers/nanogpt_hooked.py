@@ -13,7 +13,9 @@ draws. DDP on gloo, on the CPU, one thread per rank.
 
 ``nanogpt_hooked.py`` is this file with runhealth attached (``scripts/attach_lines.py`` counts
 the lines that differ). The test knobs are in both alike: ``nan_at`` (rank ``nan_rank``'s loss
-at that iteration is NaN, once per process), ``iter_sleep`` (seconds added to each step) and
+at that iteration is NaN, once per process), ``corrupt_at`` (rank ``corrupt_rank``'s
+first microbatch at that iteration is random tokens, once per process: a corrupted shard), ``iter_sleep`` (seconds added to
+each step) and
 ``resume_fault``, what a faulty restore forgets: ``weights``, ``optimizer`` (its state; the rate
 is still set by the loop) or ``lr`` (the schedule's place: it restarts at this process's first
 iteration).
@@ -61,6 +63,8 @@ min_lr = 3e-4
 seed = 1337
 nan_at = -1
 nan_rank = 1
+corrupt_at = -1
+corrupt_rank = 2
 iter_sleep = 0.0
 resume_fault = ""  # the test's broken resumes: "weights", "optimizer" or "lr"
 for arg in sys.argv[1:]:
@@ -216,6 +220,8 @@ while True:
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+        if iter_num == corrupt_at and ddp_rank == corrupt_rank and not injected:  # the test's fault
+            X, Y, injected = torch.randint_like(X, vocab_size), torch.randint_like(Y, vocab_size), True
         logits, loss = model(X, Y)
         if iter_num == nan_at and ddp_rank == nan_rank and not injected:  # the test's fault
             loss, injected = loss * math.nan, True
