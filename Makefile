@@ -8,7 +8,12 @@ export TMPDIR := $(CURDIR)/.tmp
 
 .PHONY: demo test venv system-deps lint typecheck clean
 
-$(BIN)/python:
+# Every tool run from here writes its temp files under .tmp, so it must exist before the first
+# of them (postgresql-15's post-install script fails on a TMPDIR that is missing).
+$(TMPDIR):
+	mkdir -p $(TMPDIR)
+
+$(BIN)/python: | $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
@@ -24,7 +29,7 @@ venv: $(STAMP)
 # The test suite needs real Prometheus, promtool, amtool and PostgreSQL 15 binaries. A first
 # install can stop in postgresql-15's configure step (seen here: dpkg exit 1, its service may not
 # start in a container); finishing the configuration and installing again completes it.
-system-deps:
+system-deps: | $(TMPDIR)
 	@if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null \
 	    || [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
@@ -35,12 +40,10 @@ system-deps:
 	       && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$PKGS; }; }; \
 	fi
 
-demo: $(STAMP)
-	@mkdir -p $(TMPDIR)
+demo: $(STAMP) | $(TMPDIR)
 	$(BIN)/runhealth demo
 
-test: $(STAMP) system-deps
-	@mkdir -p $(TMPDIR)
+test: $(STAMP) system-deps | $(TMPDIR)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --basetemp=$(TMPDIR)/pytest -p no:cacheprovider
 
 lint:
