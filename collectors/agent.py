@@ -95,7 +95,7 @@ class DirectiveAgent:
             self._act(local)
         if attempt % self._agree_every:
             return
-        # Host only: a 16-byte gloo all-reduce launched a boundary ago (``Consensus``).
+        # Host only: a 16-byte all-reduce launched an agreement ago (``Consensus``).
         agreed = self._consensus.exchange(self.armory.oldest_armed())
         directive = self.armory.take_agreed(agreed, windows.step) if agreed else None
         if directive is not None:

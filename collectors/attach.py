@@ -1,13 +1,15 @@
 """Attaching a rank: who it is, which incarnation and run, where its records go.
 
 Collectives happen here and nowhere else: one broadcast (rank 0's incarnation id and run
-name), and with the embedded service one all-gather (each node's service endpoint).
+name). With the embedded service, global rank 0 starts it and the other ranks learn its
+endpoint through the job's c10d store (``collectors.rendezvous``), not a collective.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -17,8 +19,9 @@ from typing import Any
 from collectors.collectives import Collectives
 from collectors.config import RunHealthConfig, default_run_name
 from collectors.counters import Counters
-from collectors.embedded import EmbeddedService, Endpoint
+from collectors.embedded import EmbeddedService, Endpoint, store_path
 from collectors.layout import Identity
+from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, Transport
 from collectors.spool import Spool
 from collectors.transport import Delivery, HttpTransport, Outcome
@@ -43,13 +46,14 @@ def agree_on_run(collectives: Collectives, run: str | None, environ: Mapping[str
 
 @dataclass
 class Destination:
-    """Where this rank sends, and the embedded service if this rank runs the node's."""
+    """Where this rank sends, and the embedded service if this rank runs the job's."""
 
     url: str | None
     token: str | None
     endpoint: Endpoint | None = None
     service: EmbeddedService | None = None
-    node_ranks: int = 1
+    ranks: int = 1
+    rendezvous: Rendezvous | None = None
 
 
 def configured(config: RunHealthConfig) -> Destination:
@@ -62,27 +66,55 @@ def embedded(
     run: str,
     collectives: Collectives,
     environ: Mapping[str, str],
+    rendezvous: Rendezvous | None,
 ) -> Destination:
-    """The node's local rank 0 starts the service; one all-gather tells the node's ranks."""
-    service, endpoint = None, None
-    if identity.local_rank == 0:
-        service = EmbeddedService(config.embedded, environ)
-        try:
-            endpoint = service.start(run)
-        except Exception as exc:  # whatever went wrong, every rank must reach the all-gather
-            log.error("runhealth: the embedded service did not start (%s); spooling to disk", exc)
-            service.stop(None, 0)
-            service = None
-    gathered = collectives.all_gather((identity.node, endpoint))
-    mine = next((e for node, e in gathered if node == identity.node and e is not None), None)
-    if mine is None and identity.local_rank is None:
-        log.warning("runhealth: LOCAL_RANK is unset, so no rank could start this node's service")
+    """Global rank 0 starts the job's one service; every other rank, on every node, reads its
+    endpoint from the job's store (or, where the job has none that can be reached, from one
+    broadcast at attach)."""
+    service, endpoint, reason = None, None, ""
+    if identity.rank == 0:
+        service, endpoint, reason = start_service(config, run, environ)
+    if collectives.world_size > 1:
+        if rendezvous is None:
+            endpoint = collectives.broadcast(endpoint)
+        elif identity.rank == 0:
+            rendezvous.publish(endpoint, reason)
+        else:
+            endpoint = rendezvous.endpoint(config.embedded.start_timeout_s + 30.0)
     return Destination(
-        url=mine.url if mine else None,
-        token=mine.token if mine else None,
-        endpoint=mine,
+        url=endpoint.url if endpoint else None,
+        token=endpoint.token if endpoint else None,
+        endpoint=endpoint,
         service=service,
-        node_ranks=sum(1 for node, _ in gathered if node == identity.node),
+        ranks=collectives.world_size,
+        rendezvous=rendezvous,
+    )
+
+
+def start_service(
+    config: RunHealthConfig, run: str, environ: Mapping[str, str]
+) -> tuple[EmbeddedService | None, Endpoint | None, str]:
+    """Rank 0: the service and its endpoint, or why it did not start."""
+    service = EmbeddedService(config.embedded, environ)
+    try:
+        endpoint = service.start(run)
+    except Exception as exc:  # whatever went wrong, every rank must learn of it and go on
+        log.error("runhealth: the embedded service did not start (%s); spooling to disk", exc)
+        service.stop(None)
+        return None, None, str(exc)
+    announce(config.embedded.db, run, service)
+    return service, endpoint, ""
+
+
+def announce(db: str, run: str, service: EmbeddedService) -> None:
+    """The one line an operator needs: where the records are and how to look at them."""
+    path = store_path(db)
+    where = str(path) if path is not None else db
+    print(
+        f"runhealth: run {run} is recorded in {where} (service {service.url}, pid {service.pid}); "
+        f"incidents: runhealth incidents --db {where} --run {run}",
+        file=sys.stderr,
+        flush=True,
     )
 
 

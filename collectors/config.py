@@ -43,8 +43,9 @@ class HookConfig:
     ``nccl_trace``: whether ``stack_dump`` asks for the NCCL flight recorder; on when the
     recorder is (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` above 0).
     ``agree_every``: the window boundaries at which ranks agree on directives (every 4th: one
-    16-byte gloo all-reduce per four windows; a directive acts at most 8 windows after its
-    step, well inside the margin the service gives it).
+    16-byte all-reduce on the default group per four windows; a
+    directive acts at most 8 windows after its step, well inside the margin the service gives
+    it).
     ``canary_on_checkpoint``: run the canary suite when a checkpoint is saved (every rank
     saves at the same step, so the canary is aligned without a directive).
     ``manifest_settle_s``: 1 s without a size or modification-time change before a saved

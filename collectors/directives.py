@@ -9,10 +9,10 @@ where every rank is known to have armed it.
 Knowing that needs agreement: a rank that stopped at the step while another, which had not
 yet seen the directive, went on into the next window's collectives would leave both waiting
 forever. So each rank contributes the id of its oldest armed directive to a small all-reduce
-(minimum and maximum together) on a gloo group of its own, launched asynchronously at each
-window boundary and read at the next one: a boundary later every rank reads the same answer
-and acts, or not, together. No device is involved and the training thread never waits on the
-network. A rank that first sees a directive after its step has passed answers ``missed``
+(minimum and maximum together) on the job's default process group, launched asynchronously at
+every ``agree_every``-th window boundary and read at the next one: then every rank reads the
+same answer and acts, or not, together (``Consensus``). The training thread never waits on the
+network or the device for it. A rank that first sees a directive after its step has passed answers ``missed``
 and does not arm it; the service then replaces it with a later one. A ``hold`` and its
 ``release`` name no step to reach: they act at the first boundary every rank agrees on them, so
 they are never missed (``AGREED_WHENEVER``).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,7 +45,7 @@ class DirectiveConfig:
     rank launched it a window ago, so with healthy peers it has completed; a peer that never
     reached that boundary (hung, or dead) would hold this process at its exit for the group's
     timeout (30 minutes for gloo by default), hiding the failure from the launcher.
-    ``hold_agree_s`` 0.1: while held, how often the ranks agree (a blocking 16-byte gloo
+    ``hold_agree_s`` 0.1: while held, how often the ranks agree (a blocking 16-byte
     all-reduce; nothing else runs then): a release armed by the poll is acted on within it.
     ``hold_grace_s`` 30: how long past the hold's own timeout a held rank waits for the
     service's release (sent on the service's clock within its 5 s check period, then polled)
@@ -175,37 +176,72 @@ class Armory:
 
 
 class Consensus:
-    """Which directive every rank has armed, agreed one boundary late (see the module doc)."""
+    """Which directive every rank has armed, agreed one agreement late (see the module doc).
 
-    def __init__(self, torch: Any, group: Any, world_size: int) -> None:
+    The agreement is one 16-byte all-reduce (minimum of each rank's oldest armed id, and of
+    its negation) on the job's default process group, launched asynchronously at every
+    ``HookConfig.agree_every``-th window boundary and read at the next such boundary. No group
+    of its own: gloo connects a new group as a full mesh (every rank to every other), which at
+    16,384 ranks is 134 million connections, and NCCL would build a second communicator. The
+    default group is safe to share because every rank launches the agreement at the same
+    boundary, between two windows, so it takes the same place in every rank's sequence of
+    collectives on that group. Under NCCL the values travel on the device: copied in from a
+    pinned buffer, all-reduced on the group's stream, copied back into pinned memory behind a
+    CUDA event, and read when that event completed (it has, a few windows later), so the step
+    never waits on the device for it."""
+
+    def __init__(self, torch: Any, group: Any, world_size: int, device: Any = None) -> None:
         self._torch = torch
-        self._group = group
-        self._solo = world_size <= 1 or group is None
+        self._group = group  # None: the default group
+        self._solo = world_size <= 1
+        self._on_device = device is not None and getattr(device, "type", "cpu") != "cpu"
+        self._device = device
         self._work: Any = None
-        self._buffer: Any = None
+        self._result: Any = None  # where the agreement's answer lands (pinned host memory)
+        self._done: Any = None  # a CUDA event after the copy back, when on the device
 
     @classmethod
-    def create(cls, torch: Any) -> Consensus:
-        """At attach (every rank calls it): a gloo group of its own, so the agreement never
-        touches the trainer's device or its NCCL communicators."""
+    def create(cls, torch: Any, device: Any = None) -> Consensus:
+        """At attach: the default group; on the device when that group's backend for this
+        device is NCCL (a CPU tensor where the group also has gloo, as ``cpu:gloo,cuda:nccl``)."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
             return cls(torch, None, 1)
-        return cls(torch, dist.new_group(backend="gloo"), dist.get_world_size())
+        backend = str(dist.get_backend()).lower()
+        on_device = device is not None and device.type == "cuda" and "gloo" not in backend
+        return cls(torch, None, dist.get_world_size(), device if on_device else None)
 
     def exchange(self, oldest_armed: int) -> int:
-        """Read the agreement launched at the previous boundary (0: none) and launch the next."""
+        """Read the agreement launched at the previous call (0: none) and launch the next."""
         if self._solo:
             return oldest_armed
-        agreed = 0
-        if self._work is not None:
-            self._work.wait()  # a 16-byte gloo all-reduce launched a whole window ago
-            low, negated_high = (int(v) for v in self._buffer.tolist())
-            agreed = low if low > 0 and low == -negated_high else 0
-        dist = self._torch.distributed
-        self._buffer = self._torch.tensor([oldest_armed, -oldest_armed], dtype=self._torch.int64)
-        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        agreed = self._read() if self._work is not None else 0
+        self._launch(oldest_armed)
         return agreed
+
+    def _launch(self, value: int) -> None:
+        torch, dist = self._torch, self._torch.distributed
+        values = torch.tensor([value, -value], dtype=torch.int64)
+        if not self._on_device:
+            self._result = values
+            self._work = dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+            return
+        on_device = values.pin_memory().to(self._device, non_blocking=True)
+        self._work = dist.all_reduce(on_device, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        self._work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
+        self._result = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._result.copy_(on_device, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def _read(self) -> int:
+        if self._done is not None:
+            self._done.synchronize()  # recorded a whole agreement period ago: complete
+        else:
+            self._work.wait()  # a 16-byte gloo all-reduce launched a whole period ago
+        self._work = self._done = None
+        low, negated_high = (int(v) for v in self._result.tolist())
+        return low if low > 0 and low == -negated_high else 0
 
     def agree_now(self, value: int) -> int:
         """A whole agreement, waited for: the one launched at the last boundary is dropped
@@ -215,22 +251,31 @@ class Consensus:
         if self._solo:
             return value
         if self._work is not None:
-            self._work.wait()  # launched before the hold began; what it says is asked again
-            self._work = None
-        dist = self._torch.distributed
-        buffer = self._torch.tensor([value, -value], dtype=self._torch.int64)
-        dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=self._group)
-        low, negated_high = (int(v) for v in buffer.tolist())
-        return low if low > 0 and low == -negated_high else 0
+            self._read()  # launched before the hold began; what it says is asked again
+        self._launch(value)
+        return self._read()
 
     def close(self, wait_s: float) -> None:
         """Wait at most ``wait_s`` for the agreement in flight (``DirectiveConfig.close_wait_s``)."""
-        work, self._work = self._work, None
+        work, done = self._work, self._done
+        self._work = self._done = None
         if work is None:
             return
         try:
-            work.wait(timeout=timedelta(seconds=wait_s))
+            if done is not None:
+                self._wait_for_event(done, wait_s)
+            else:
+                work.wait(timeout=timedelta(seconds=wait_s))
         except RuntimeError as exc:  # gloo: "Operation timed out!", or a peer gone
             log.warning(
                 "runhealth: a peer never joined the last directive agreement (%s); closing anyway", exc
             )
+
+    @staticmethod
+    def _wait_for_event(done: Any, wait_s: float) -> None:
+        """An NCCL collective cannot be waited for with a timeout from the host: poll its event."""
+        deadline = time.monotonic() + wait_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not complete after {wait_s} s")
+            time.sleep(0.01)

@@ -5,7 +5,7 @@ proposal waits for an operator) is agreed on like any directive (``directives.py
 rank enters it at the same boundary, between two windows: none of the trainer's collectives is
 in flight and none starts until the ranks leave together. While held, the training thread does
 nothing but agree with its peers every ``hold_agree_s`` on what the sender thread armed
-meanwhile (a blocking gloo all-reduce, ``Consensus.agree_now``); each agreement pairs with the
+meanwhile (a blocking 16-byte all-reduce, ``Consensus.agree_now``); each agreement pairs with the
 same agreement on every peer, so the ranks leave on the same one, at the step they held at:
 
 - a ``release`` (the proposal was rejected, approved without a rollback, or timed out on the

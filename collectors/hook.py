@@ -31,6 +31,7 @@ sees one.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import logging
 import os
@@ -49,13 +50,13 @@ from collectors.collectives import collectives_for
 from collectors.config import RunHealthConfig
 from collectors.counters import Counters
 from collectors.directives import Consensus
-from collectors.embedded import mark_done
 from collectors.guard import EntryErrors, guarded
 from collectors.layout import Identity, discover_identity, resolve_device
 from collectors.markers import marker_factory
 from collectors.outbox import Outbox
 from collectors.phases import Phase, PhaseClock, stamps_for
 from collectors.readers import Readers, build_readers
+from collectors.rendezvous import Rendezvous
 from collectors.ring import PinnedRing
 from collectors.samplers import Sampler
 from collectors.sender import Sender, Transport
@@ -180,8 +181,9 @@ class RunHealth:
         if self.config.transport.url or self._transport is not None:
             self._destination = attach.configured(self.config)
         else:
+            rendezvous = Rendezvous.of_job(torch, ids.incarnation)
             self._destination = attach.embedded(
-                self.config, self.identity, ids.run, self._collectives, self._environ
+                self.config, self.identity, ids.run, self._collectives, self._environ, rendezvous
             )
         self._sender: Sender = attach.build_sender(
             self.config,
@@ -195,7 +197,7 @@ class RunHealth:
             directives=self._agent.on_posted,
         )
         origin = records.Origin.of(self.identity, ids.incarnation)
-        self._agent.attached(self._sender, Consensus.create(torch), self._device, origin)
+        self._agent.attached(self._sender, Consensus.create(torch, self._device), self._device, origin)
         device_type = self._device.type
         ring = PinnedRing[PendingWindow](
             self.config.ring, device=self._device, new_marker=marker_factory(device_type)
@@ -271,19 +273,22 @@ class RunHealth:
         self._release_service(wait_for_peers=status != "failed")
 
     def _release_service(self, *, wait_for_peers: bool) -> None:
-        """Mark this rank done; the rank running the node's service stops it once the node's
-        ranks are done. After a failure it does not wait for them: peers of a failed rank are
+        """Say this rank is done; the rank running the job's service stops it once every rank
+        is done. After a failure it does not wait for them: peers of a failed rank are
         usually blocked in a collective until the launcher ends them, and this process's exit
         is what tells the launcher. What they send after the stop is spooled and replayed by
         the next start."""
         destination = self._destination
         if destination is None:
             return
-        if destination.endpoint is not None:
-            mark_done(destination.endpoint, self.identity.rank)
+        rendezvous = destination.rendezvous
+        if rendezvous is not None:
+            rendezvous.done()
         if destination.service is not None:
-            ranks = destination.node_ranks if wait_for_peers else 1
-            destination.service.stop(destination.endpoint, ranks)
+            finished = None
+            if wait_for_peers and rendezvous is not None:
+                finished = functools.partial(rendezvous.finished, destination.ranks)
+            destination.service.stop(finished)
 
     def __enter__(self) -> RunHealth:
         return self.start()

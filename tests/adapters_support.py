@@ -24,6 +24,7 @@ from tests.collectors_support import (
     ServeProcess,
     child_environ,
     step_rows,
+    store_engine,
     wait_until,
 )
 
@@ -43,10 +44,10 @@ def hook_for(serve: ServeProcess, run: str, root: Path) -> RunHealth:
 JSON_COLUMNS = ("manifest", "restored", "tags", "metrics", "sample_ids", "ranks", "nodes", "devices")
 
 
-def run_rows(db: Path, table: str, run: str) -> list[dict[str, Any]]:
+def run_rows(db: Path | sa.URL, table: str, run: str) -> list[dict[str, Any]]:
     """The rows of ``table`` that belong to ``run``, in insertion order, JSON columns decoded."""
     query = f"SELECT t.* FROM {table} t JOIN runs r ON r.id = t.run_id WHERE r.name = :run ORDER BY t.id"
-    engine = sa.create_engine(f"sqlite:///{db}")
+    engine = store_engine(db)
     try:
         with engine.connect() as connection:
             rows = [dict(row._mapping) for row in connection.execute(sa.text(query), {"run": run})]

@@ -82,7 +82,7 @@ def finish_ranks(
 class ServeProcess:
     """``python -m monitor serve`` on a fixed loopback port, which can be killed and restarted."""
 
-    def __init__(self, root: Path, db: Path, port: int | None = None, **environ: str) -> None:
+    def __init__(self, root: Path, db: Path | sa.URL, port: int | None = None, **environ: str) -> None:
         self.root = root
         self.db = db
         self.port = port or free_port()
@@ -99,7 +99,7 @@ class ServeProcess:
         self.starts += 1
         port_file = self.root / f"port-{self.starts}"
         command = [
-            sys.executable, "-m", "monitor", "serve", "--db", str(self.db),
+            sys.executable, "-m", "monitor", "serve", "--db", store_argument(self.db),
             "--host", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file),
         ]  # fmt: skip
         with open(self.root / "serve.log", "ab") as log:
@@ -193,12 +193,12 @@ class FakeMarker:
         return self.at - earlier.at
 
 
-def step_rows(db: Path, run: str | None = None) -> list[dict[str, Any]]:
+def step_rows(db: Path | sa.URL, run: str | None = None) -> list[dict[str, Any]]:
     """The stored step records of the store at ``db`` (of one run, if named)."""
     query = "SELECT s.* FROM step_records s JOIN runs r ON r.id = s.run_id"
     if run is not None:
         query += " WHERE r.name = :run"
-    engine = sa.create_engine(f"sqlite:///{db}")
+    engine = store_engine(db)
     try:
         with engine.connect() as connection:
             rows = connection.execute(sa.text(query + " ORDER BY s.rank, s.attempt"), {"run": run})
@@ -207,8 +207,18 @@ def step_rows(db: Path, run: str | None = None) -> list[dict[str, Any]]:
         engine.dispose()
 
 
-def table_rows(db: Path, table: str) -> list[dict[str, Any]]:
-    engine = sa.create_engine(f"sqlite:///{db}")
+def store_argument(db: Path | sa.URL) -> str:
+    """``--db``'s value for a test's store (a URL with its password, if it has one)."""
+    return db.render_as_string(hide_password=False) if isinstance(db, sa.URL) else str(db)
+
+
+def store_engine(db: Path | sa.URL) -> sa.Engine:
+    """An engine on a test's store: a SQLite file, or a PostgreSQL database's URL."""
+    return sa.create_engine(db if isinstance(db, sa.URL) else f"sqlite:///{db}")
+
+
+def table_rows(db: Path | sa.URL, table: str) -> list[dict[str, Any]]:
+    engine = store_engine(db)
     try:
         with engine.connect() as connection:
             return [dict(row._mapping) for row in connection.execute(sa.text(f"SELECT * FROM {table}"))]

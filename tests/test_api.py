@@ -263,6 +263,21 @@ def test_admin_token_may_write_any_run(
     assert count_rows(store, STEP) == 1
 
 
+def test_a_renewed_run_token_replaces_the_old_one(
+    client: TestClient, store: Engine, run: RunHandle, admin_headers: dict[str, str]
+) -> None:
+    """A restarted job's embedded service renews the run's token (only its digest is kept):
+    the new token writes the run, the old one is refused; only the admin may renew."""
+    assert client.post(f"/v1/runs/{run.name}/token", headers=run.headers).status_code == 403
+    assert client.post("/v1/runs/no-such-run/token", headers=admin_headers).status_code == 404
+    renewed = client.post(f"/v1/runs/{run.name}/token", headers=admin_headers)
+    assert renewed.status_code == 200 and renewed.json()["token"] != run.token
+    before = snapshot(store)
+    assert_rejected(post(client, run, batch(step_record())), 403, "forbidden", store, before)
+    new = RunHandle(name=run.name, id=run.id, token=renewed.json()["token"], directive_id=run.directive_id)
+    assert post(client, new, batch(step_record())).status_code == 200
+
+
 def test_unknown_run_is_404(client: TestClient, store: Engine, run: RunHandle) -> None:
     missing = RunHandle(name="no-such-run", id=0, token=run.token, directive_id=0)
     before = snapshot(store)

@@ -39,6 +39,7 @@ from collectors.phases import (
     stamps_for,
     wall_durations,
 )
+from collectors.rendezvous import Rendezvous
 from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -927,23 +928,33 @@ def test_a_directive_for_this_rank_alone_is_acted_on_at_the_next_window_not_the_
 
 
 class StoppedService:
-    """Notes how the hook stops the node's embedded service (how many ranks it waits for)."""
+    """Notes how the hook stops the job's embedded service: whether it waited for the ranks,
+    and whether they had all said done by then."""
 
     def __init__(self) -> None:
-        self.waited_for: list[int] = []
+        self.finished: list[bool | None] = []
 
-    def stop(self, endpoint: Any, ranks: int) -> None:
-        self.waited_for.append(ranks)
+    def stop(self, finished: Any) -> None:
+        self.finished.append(None if finished is None else finished())
 
 
-@pytest.mark.parametrize(("status", "waited_for"), [("completed", 4), ("failed", 1)])
-def test_the_service_rank_waits_for_its_node_peers_except_after_a_failure(
-    tmp_path: Path, transport: RecordingTransport, status: Literal["completed", "failed"], waited_for: int
+@pytest.mark.parametrize(("status", "finished"), [("completed", True), ("failed", None)])
+def test_the_service_rank_waits_for_every_rank_except_after_a_failure(
+    tmp_path: Path,
+    transport: RecordingTransport,
+    status: Literal["completed", "failed"],
+    finished: bool | None,
 ) -> None:
-    """After a failure the peers are likely blocked in a collective: waiting the ranks timeout
-    (60 s) for them would only delay the exit that tells the launcher."""
+    """Every rank adds one to a counter in the job's store at close; rank 0 stops the service
+    once it reaches the world size. After a failure the peers are likely blocked in a
+    collective: waiting the ranks timeout (60 s) for them would only delay the exit that tells
+    the launcher."""
     hook = attach(tmp_path, transport)
+    rendezvous = Rendezvous(torch.distributed.HashStore(), "incarnation")
+    for _ in range(3):
+        rendezvous.done()  # the three other ranks
     service = StoppedService()
-    hook._destination = Destination(None, None, service=service, node_ranks=4)  # type: ignore[arg-type]
+    hook._destination = Destination(None, None, service=service, ranks=4, rendezvous=rendezvous)  # type: ignore[arg-type]
+    assert not rendezvous.finished(4)
     hook.close(status)
-    assert service.waited_for == [waited_for]
+    assert service.finished == [finished] and rendezvous.finished(4)

@@ -284,6 +284,30 @@ def test_a_slow_service_does_not_starve_polls_while_the_trainer_keeps_submitting
 
 
 @pytest.mark.slow
+def test_a_restarted_job_renews_its_runs_token_on_its_embedded_service(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The second start of a job (the same run name, the same store) finds the run created by
+    the first: its service renews the run's token and the ranks send with it. Each start
+    says on stderr, once, where the records are and how to list the incidents."""
+    require_module("torch")
+    db = tmp_path / "runhealth.db"
+    environ = child_environ(
+        RUNHEALTH_DB=str(db), RUNHEALTH_RUN="restarted", RUNHEALTH_SPOOL_DIR=str(tmp_path / "spool")
+    )
+    for _ in range(2):
+        rh = RunHealth(environ=environ, config=quick_config(environ)).start()
+        rh.window_start()
+        rh.loss(1.5, tokens=3)
+        rh.window_end()
+        rh.close()
+        assert rh.counters["sent"] == 3 and rh.counters["spooled"] == 0  # run start, a step, finish
+    assert len(step_rows(db, "restarted")) == 2
+    announced = [line for line in capfd.readouterr().err.splitlines() if "is recorded in" in line]
+    assert len(announced) == 2 and f"runhealth incidents --db {db} --run restarted" in announced[1]
+
+
+@pytest.mark.slow
 def test_an_embedded_service_that_cannot_start_leaves_the_records_spooled(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -8,13 +8,13 @@ Errors are JSON: ``{"error": CODE, "message": TEXT}``, plus ``"problems": [{"ind
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from monitor.ingest.batches import ConflictError, InvalidRecord
@@ -28,7 +28,15 @@ from monitor.store.floats import dumps
 BATCH = TypeAdapter(BatchIn)
 RUN_CREATE = TypeAdapter(RunCreateIn)
 DIRECTIVE_CREATE = TypeAdapter(DirectiveCreateIn)
-DECISION = TypeAdapter(DecisionIn)
+
+
+class DecisionBody(DecisionIn):
+    """A decision's body: with the admin token it may name the local user who decides."""
+
+    operator: Annotated[str, Field(min_length=1, max_length=100, pattern=r"^\S+$")] | None = None
+
+
+DECISION = TypeAdapter(DecisionBody)
 
 
 class ApiError(Exception):
@@ -165,6 +173,21 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
             raise ApiError(409, "exists", str(exc)) from exc
         return json_response({"run": body.name, "token": token}, 201)
 
+    @app.post("/v1/runs/{run}/token")
+    async def renew_token(run: str, request: Request) -> Response:
+        """A new token for an existing run (admin): the embedded service of a restarted job."""
+        require_admin(request)
+
+        def renew() -> str:
+            with service.engine.begin() as connection:
+                return queries.renew_run_token(connection, run)
+
+        try:
+            token = await run_in_threadpool(renew)
+        except queries.NotFound as exc:
+            raise ApiError(404, "not_found", str(exc)) from exc
+        return json_response({"run": run, "token": token}, 200)
+
     @app.get("/v1/runs")
     def list_runs(request: Request) -> Response:
         require_admin(request)
@@ -273,26 +296,37 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
 
     @app.post("/v1/proposals/{proposal_id}/{verb}")
     async def decide(proposal_id: int, verb: str, request: Request) -> Response:
-        if verb not in ("approve", "reject"):
+        """Approve or reject as the operator whose token this is, or with the admin token as the
+        local user the body names (``runhealth approve --db`` on this machine)."""
+        if verb not in decisions.DECISION_VERBS:
             raise ApiError(404, "not_found", f"no action {verb!r} on proposals (approve or reject)")
-        operator = await run_in_threadpool(require_operator, request)
+        # An operator token is checked before the body is read, as it always was.
+        operator = None if is_admin(bearer(request)) else await run_in_threadpool(require_operator, request)
+        body = await decision_body(request)
+        decider = decided_by(operator, body)
+        try:
+            outcome = await run_in_threadpool(
+                service.decisions.decide, verb, proposal_id, decider, body.reason
+            )
+        except decisions.InvalidDecision as exc:
+            raise ApiError(422, "invalid", str(exc)) from exc
+        status = 200 if outcome.ok else (404 if outcome.proposal is None else 409)
+        return json_response(outcome.as_json(), status)
+
+    async def decision_body(request: Request) -> DecisionBody:
         raw = await read_limited(request, 64 * 1024)
         try:
-            body = DECISION.validate_json(raw or b"{}")
+            return DECISION.validate_json(raw or b"{}")
         except ValidationError as exc:
             raise ApiError(422, "invalid", str(exc.errors(include_url=False)[0]["msg"])) from exc
-        if verb == "reject" and not (body.reason or "").strip():
-            raise ApiError(422, "invalid", "a rejection needs a reason")
-        if verb == "approve":
-            outcome = await run_in_threadpool(service.decisions.approve, proposal_id, operator, body.reason)
-        else:
-            outcome = await run_in_threadpool(
-                service.decisions.reject, proposal_id, operator, body.reason or ""
-            )
-        status = 200 if outcome.ok else (404 if outcome.proposal is None else 409)
-        return json_response(
-            {"ok": outcome.ok, "message": outcome.message, "proposal": outcome.proposal}, status
-        )
+
+    def decided_by(operator: str | None, body: DecisionBody) -> str:
+        """The token's operator; with the admin token (``operator`` None), the named local user."""
+        if operator is None:
+            return decisions.local_decider(body.operator)
+        if body.operator is not None:
+            raise ApiError(422, "invalid", "only the admin token names who decides; this token is an operator's")
+        return operator
 
     @app.get("/v1/runs/{run}/incidents")
     def list_incidents(run: str, request: Request) -> Response:

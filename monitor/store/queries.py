@@ -42,6 +42,18 @@ def create_run(connection: Connection, name: str, now: float | None = None) -> s
     return token
 
 
+def renew_run_token(connection: Connection, name: str) -> str:
+    """Replace a run's bearer token (a restarted job's embedded service: the first token was
+    shown once, to the previous start); the old one is refused from now on."""
+    token = new_token("rh_run")
+    updated = connection.execute(
+        RUN.update().where(RUN.c.name == name).values(token_hash=token_digest(token))
+    ).rowcount
+    if not updated:
+        raise NotFound(f"no run named {name!r}")
+    return token
+
+
 def run_row(connection: Connection, name: str) -> Any:
     row = connection.execute(sa.select(RUN).where(RUN.c.name == name)).first()
     if row is None:
