@@ -143,7 +143,7 @@ class ServeProcess:
 def serving(root: Path, **environ: str) -> Iterator[ServeProcess]:
     """A ``runhealth serve`` over ``root/store.db`` for the block (a module's tests share one,
     each with its own run)."""
-    process = ServeProcess(root, root / "store.db", **environ)
+    process = ServeProcess(root, root / "store.db", None, **environ)
     process.start()
     try:
         yield process

@@ -32,7 +32,7 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
         assert action in result["story"]
     data = next(p for p in result["proposals"] if p["verdict"] == "data")
     assert data["status"] == "done" and data["skip_batches"] == ["r1-b149"] and data["target"]["step"] == 125
-    assert data["decided_by"].startswith("oncall-")
+    assert data["decided_by"].startswith("local:")  # approved at the CLI through the discovery file
     hardware = next(p for p in result["proposals"] if p["verdict"] == "hardware")
     assert hardware["quarantine"]["node"] == "node-2" and hardware["status"] == "pending"
     assert result["audit_ok"]

@@ -33,7 +33,7 @@ DIRECTIVE_CREATE = TypeAdapter(DirectiveCreateIn)
 class DecisionBody(DecisionIn):
     """A decision's body: with the admin token it may name the local user who decides."""
 
-    operator: Annotated[str, Field(min_length=1, max_length=100, pattern=r"^\S+$")] | None = None
+    operator: Annotated[str, Field(min_length=1, max_length=100)] | None = None
 
 
 DECISION = TypeAdapter(DecisionBody)
@@ -325,7 +325,9 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         if operator is None:
             return decisions.local_decider(body.operator)
         if body.operator is not None:
-            raise ApiError(422, "invalid", "only the admin token names who decides; this token is an operator's")
+            raise ApiError(
+                422, "invalid", "only the admin token names who decides; this token is an operator's"
+            )
         return operator
 
     @app.get("/v1/runs/{run}/incidents")

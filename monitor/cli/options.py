@@ -73,6 +73,11 @@ def parse_time(text: str | None) -> float | None:
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
+def cli_user() -> str:
+    """The OS user running the command: who an approval without an operator token names."""
+    return getpass.getuser()
+
+
 def cli_actor() -> str:
     """Who a store-changing command is recorded as in the audit log."""
-    return f"cli:{getpass.getuser()}"
+    return f"cli:{cli_user()}"

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
+from sqlalchemy.engine import URL
 
+from monitor.api.discovery import Discovery, discovery_path, local_url, remove_discovery, write_discovery
 from monitor.cli.options import ConfigOption, DbOption
 from monitor.settings import service_config
-from monitor.store.db import resolve_url
+from monitor.store.db import resolve_url, sqlite_path
 
 
 def serve(
@@ -21,6 +29,13 @@ def serve(
     admin_token_file: Annotated[
         Path | None,
         typer.Option(help="Where the admin token is kept when RUNHEALTH_ADMIN_TOKEN is unset."),
+    ] = None,
+    discovery_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where a local CLI finds this service (default: <db>.service.json beside an "
+            "SQLite store; none for another store unless given)."
+        ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
     config_file: ConfigOption = None,
@@ -43,12 +58,66 @@ def serve(
         tmp.replace(port_file)
     where = f"admin token in {written}" if written else "admin token from RUNHEALTH_ADMIN_TOKEN"
     typer.echo(f"runhealth serving on http://{host}:{bound} ({where})", err=True)
-    scheduler = start_scheduler(service, config.scheduler)
+    store = resolve_url(config.db, os.environ)
+    found = this_service(local_url(host, bound), written, store)
+    with dying_by_sigterm(), announced(discovery_file or discovery_path(store), found):
+        scheduler = start_scheduler(service, config.scheduler)
+        try:
+            uvicorn_server(service, log_level).run(sockets=[sock])
+        finally:
+            scheduler.shutdown(wait=False)
+            service.tracing.shutdown()  # exports the spans still queued
+
+
+def this_service(url: str, admin_token_file: Path | None, store: URL) -> Discovery:
+    """What the discovery file says of this process."""
+    return Discovery(
+        url=url,
+        pid=os.getpid(),
+        admin_token_file=str(admin_token_file.absolute()) if admin_token_file else None,
+        db=str(sqlite_path(store) or store.render_as_string(hide_password=True)),
+        started_at=time.time(),
+    )
+
+
+@contextmanager
+def announced(path: Path | None, found: Discovery) -> Iterator[None]:
+    """The discovery file at ``path`` while the body runs (none when ``path`` is None)."""
+    if path is None:
+        yield
+        return
+    write_discovery(path, found)
     try:
-        uvicorn_server(service, log_level).run(sockets=[sock])
+        yield
     finally:
-        scheduler.shutdown(wait=False)
-        service.tracing.shutdown()  # exports the spans still queued
+        remove_discovery(path, found.pid)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind the serving code's cleanup, then die by the signal."""
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextmanager
+def dying_by_sigterm() -> Iterator[None]:
+    """uvicorn stops gracefully on SIGTERM and then raises it again under the handler it found:
+    the default one ends the process at once, skipping every ``finally`` (the discovery file
+    would stay). Under this one the cleanup runs, then the process dies by SIGTERM as before,
+    so a supervisor reads the same exit status."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals can only be handled on the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register(app: typer.Typer) -> None:

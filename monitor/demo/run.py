@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -42,7 +41,6 @@ from rich.table import Table
 from monitor.recovery.decisions import list_proposals
 from monitor.store import audit, migrate, queries
 from monitor.store.db import create_store_engine, resolve_url
-from monitor.store.operators import add_operator
 
 DEMO_DIR = Path("runhealth-demo")
 
@@ -97,7 +95,6 @@ class Demo:
         self.run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
         self.workdir = self.db.parent / self.run
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.admin = secrets.token_urlsafe(24)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[IO[bytes]] = []
         self.serves = 0  # ``runhealth serve`` starts (the outage restarts it)
@@ -119,18 +116,17 @@ class Demo:
         migrate.upgrade(self.engine)
         self.port = self._serve(0)
         self.url = f"http://127.0.0.1:{self.port}"
+        # serve keeps its admin token in a 0600 file beside the store, named in the discovery
+        # file the CLI reads (``runhealth approve ID --db``).
+        admin = Path(f"{self.db}.admin-token").read_text().strip()
         response = httpx.post(
             f"{self.url}/v1/runs",
             json={"name": self.run},
-            headers={"authorization": f"Bearer {self.admin}"},
+            headers={"authorization": f"Bearer {admin}"},
             timeout=30,
         )
         response.raise_for_status()
         self.token = response.json()["token"]
-        with self.engine.begin() as connection:
-            self.operator = add_operator(
-                connection, f"oncall-{self.run}", actor="runhealth demo", now=time.time()
-            )
         return self.url
 
     def _serve(self, port: int) -> int:
@@ -151,7 +147,7 @@ class Demo:
         ]
         log = self._log("serve.log")
         # The spike's proposal holds the run until it is decided (``policies.responses``).
-        environ = _environ(RUNHEALTH_ADMIN_TOKEN=self.admin, RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")
+        environ = _environ(RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")
         self.service = subprocess.Popen(command, env=environ, stdout=log, stderr=log)
         deadline = time.monotonic() + 60
         while not port_file.exists():
@@ -278,8 +274,7 @@ class Demo:
 
     def cli(self, *args: str) -> dict[str, Any]:
         """A real ``runhealth`` command, as the operator would type it."""
-        shown = " ".join(a if a != self.operator else "$RUNHEALTH_OPERATOR_TOKEN" for a in args)
-        self.say(f"  [dim]$ runhealth {shown}[/dim]")
+        self.say(f"  [dim]$ runhealth {' '.join(args)}[/dim]")
         done = subprocess.run(
             [sys.executable, "-m", "monitor", *args, "--json"],
             capture_output=True,
@@ -341,15 +336,9 @@ class Demo:
             f"  proposal {second['id']}: rewind to step {second['target']['step']}, skip {second['skip_batches']}, "
             f"cost {second['cost_steps']} steps"
         )
+        # No URL and no token: the CLI finds the service through the store's discovery file.
         approved = self.cli(
-            "approve",
-            str(second["id"]),
-            "--reason",
-            "bad shard, skip it",
-            "--url",
-            self.url,
-            "--token",
-            self.operator,
+            "approve", str(second["id"]), "--reason", "bad shard, skip it", "--db", str(self.db)
         )
         self.say(
             f"  {approved['message']}; the hold is released on approval: every held rank stops where "

@@ -69,11 +69,29 @@ RESUME_PROBLEMS = (
 )
 
 
+# What an operator may do to a proposal, by the name the API and the CLI use.
+DECISION_VERBS = ("approve", "reject")
+
+
+class InvalidDecision(ValueError):
+    """A decision refused before the proposal is looked at (no reason for a rejection)."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     ok: bool
     message: str
     proposal: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The answer to a decision, the same from the API and from the CLI on the store."""
+        return {"ok": self.ok, "message": self.message, "proposal": self.proposal}
+
+
+def local_decider(name: str | None) -> str:
+    """Who a decision made with the service's admin token, or on the store itself, is recorded
+    as: no operator token vouches for it, so the name (the CLI's OS user) is marked local."""
+    return f"local:{name or 'admin'}"
 
 
 class Decisions:
@@ -396,6 +414,16 @@ class Decisions:
         return tuple(dict.fromkeys(str(i) for ids in rows for i in (ids or [])))
 
     # --- deciding --------------------------------------------------------------------------
+
+    def decide(self, verb: str, proposal_id: int, operator: str, reason: str | None) -> Outcome:
+        """An operator's decision by its verb: what the API route and the CLI on the store call."""
+        if verb not in DECISION_VERBS:
+            raise InvalidDecision(f"no action {verb!r} on proposals (approve or reject)")
+        if verb == "approve":
+            return self.approve(proposal_id, operator, reason)
+        if not (reason or "").strip():
+            raise InvalidDecision("a rejection needs a reason")
+        return self.reject(proposal_id, operator, reason or "")
 
     def approve(self, proposal_id: int, operator: str, reason: str | None) -> Outcome:
         now = self._clock()
@@ -891,4 +919,13 @@ def view_of(connection: Connection, proposal_id: int) -> dict[str, Any]:
     return proposal_view(row)
 
 
-__all__ = ["DecisionConfig", "Decisions", "Outcome", "list_proposals", "view_of"]
+__all__ = [
+    "DECISION_VERBS",
+    "DecisionConfig",
+    "Decisions",
+    "InvalidDecision",
+    "Outcome",
+    "list_proposals",
+    "local_decider",
+    "view_of",
+]
