@@ -142,6 +142,18 @@ def _data_action(
     return DataAction.REPLAY, (), "replay the data as is"
 
 
+def current_step(
+    highest_reported: int, reported_at: float | None, now: float | None, step_time_s: float, max_lag_s: float
+) -> int:
+    """Where the ranks are now: the newest reported step moved on by the time since its window
+    ended, in the run's step time, by at most ``max_lag_s`` (how far behind the records can
+    be: a run that paused or finished does not run ahead)."""
+    if reported_at is None or now is None or step_time_s <= 0:
+        return highest_reported
+    lag_s = min(max(now - reported_at, 0.0), max_lag_s)
+    return highest_reported + int(lag_s / step_time_s)
+
+
 def act_at_step(
     highest_reported: int, step_time_s: float, poll_interval_s: float, margin: float = 2.0
 ) -> int:

@@ -19,6 +19,7 @@ from policies.proposals import (
     IncidentFacts,
     ProposalConfig,
     act_at_step,
+    current_step,
     propose,
 )
 from policies.remedies import Remedy, incident_remedy, stated_remedy, with_remedy
@@ -229,3 +230,19 @@ def test_the_action_step_clears_the_polling_delay(
     highest: int, step_time: float, poll: float, expected: int
 ) -> None:
     assert act_at_step(highest, step_time, poll) == expected
+
+
+@pytest.mark.parametrize(
+    ("reported_at", "now", "step_time", "expected"),
+    [
+        (10.0, 11.0, 0.1, 110),  # a second since the newest window: ten steps on
+        (10.0, 30.0, 0.1, 140),  # at most the records' lag (4 s): a paused run does not run ahead
+        (10.0, 9.0, 0.1, 100),  # a rank's clock ahead of the service's: no step back
+        (None, 11.0, 0.1, 100),
+        (10.0, 11.0, 0.0, 100),  # no step time yet
+    ],
+)
+def test_the_ranks_current_step_is_the_newest_reported_moved_on_by_the_time_since(
+    reported_at: float | None, now: float, step_time: float, expected: int
+) -> None:
+    assert current_step(100, reported_at, now, step_time, max_lag_s=4.0) == expected

@@ -40,7 +40,11 @@ class DecisionConfig:
 
     ``poll_interval_s`` 2: the hooks poll for directives every 2 s (collectors' default) unless
     their run-start config says otherwise, so a directive's step must be at least that far
-    ahead; ``margin`` 2 doubles it for the sender's own delay. ``responses``: what is done
+    ahead of where the ranks are (the newest reported step moved on by the time since);
+    ``margin`` 1.5 adds half an interval for a slow request. Measured with the default
+    intervals (``benchmarks/approval_latency.py``): the ranks stopped within two poll intervals
+    and one window of the approval, where a margin of 2 from the newest reported step took up
+    to 5.6 s. ``responses``: what is done
     automatically while a proposal waits for an operator (``policies.responses``).
     """
 
@@ -49,4 +53,4 @@ class DecisionConfig:
     actions: ActionConfig = field(default_factory=ActionConfig)
     responses: ResponseConfig = field(default_factory=ResponseConfig)
     poll_interval_s: float = 2.0
-    margin: float = 2.0
+    margin: float = 1.5

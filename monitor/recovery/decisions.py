@@ -578,7 +578,7 @@ class Decisions:
         # Refused before anything is written: only an approved or executing proposal is carried out.
         move = proposal_lifecycle.advance(row["status"], DirectiveIssued())
         step = directives.directive_step(
-            connection, row["run_id"], self._config.poll_interval_s, self._config.margin, after_step or 0
+            connection, row["run_id"], self._config.poll_interval_s, self._config.margin, after_step or 0, now
         )
         avoid = [d for d in (row["quarantine_device"],) if d]
         directive_id = directives.create_directive(

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 from monitor.store import hook_settings, models
 from policies import directive_lifecycle
 from policies.directive_lifecycle import DirectiveStatus, Retired
-from policies.proposals import act_at_step
+from policies.proposals import act_at_step, current_step
 
 DIRECTIVE = models.table_of(models.Directive)
 ACK = models.table_of(models.DirectiveAck)
@@ -125,15 +125,25 @@ def has_pending(connection: Connection, run_id: int, kind: str, incident_id: int
 
 
 def directive_step(
-    connection: Connection, run_id: int, default_poll_s: float, margin: float, after_step: int = 0
+    connection: Connection,
+    run_id: int,
+    default_poll_s: float,
+    margin: float,
+    after_step: int = 0,
+    now: float | None = None,
 ) -> int:
-    """The step at which every rank of a run acts: ahead of the newest step reported by the
-    polling delay (the hooks tell their poll interval and agreement period in the run-start
-    config; ``default_poll_s`` otherwise) measured in the run's own step time."""
-    highest = int(
-        connection.execute(sa.select(sa.func.max(SUMMARY.c.step)).where(SUMMARY.c.run_id == run_id)).scalar()
-        or 0
-    )
+    """The step at which every rank of a run acts: ahead of where the ranks are now (the newest
+    reported step moved on by the time since, when ``now`` is given) by the polling delay (the
+    hooks state their poll and flush intervals in the run-start config; ``default_poll_s``
+    otherwise), measured in the run's own step time. The ranks act at their first agreement on
+    it at or after that step (``collectors.directives``: within two agreement periods of the
+    last rank arming it)."""
+    newest = connection.execute(
+        sa.select(SUMMARY.c.step, SUMMARY.c.last_time)
+        .where(SUMMARY.c.run_id == run_id)
+        .order_by(SUMMARY.c.last_time.desc())  # the newest window: after a rollback, not the
+        .limit(1)  # abandoned timeline's higher steps
+    ).first()
     times = sorted(
         connection.execute(
             sa.select(SUMMARY.c.last_time)
@@ -150,7 +160,9 @@ def directive_step(
         .limit(1)
     ).scalar()
     poll_s = hook_settings.stated(config, "directive_poll_s") or default_poll_s
-    # The ranks agree one agreement period late, at most two periods after the step.
-    agreement = 2 * int(hook_settings.stated(config, "agree_every") or 1)
+    flush_s = hook_settings.stated(config, "flush_s") or default_poll_s
     step_time = statistics.median(gaps) if gaps else 0.0
-    return act_at_step(max(highest, after_step), step_time, poll_s, margin) + agreement
+    highest = int(newest.step) if newest is not None else 0
+    reported_at = float(newest.last_time) if newest is not None else None
+    now_step = current_step(highest, reported_at, now, step_time, max_lag_s=flush_s + poll_s)
+    return act_at_step(max(now_step, after_step), step_time, poll_s, margin)
