@@ -97,6 +97,8 @@ class Service:
         try:
             with self.tracing.span(EVALUATE, {"runhealth.run": run}), self.stages.following():
                 self.judge(run_id, result.new_rows, late)
+                if result.by_kind.get("run_start") or result.by_kind.get("run_finish"):
+                    self.decisions.consider(run_id, self.policies.judge_restarts(run_id))
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")

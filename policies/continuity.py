@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from policies.remedies import Remedy, with_remedy
@@ -39,6 +39,14 @@ class ContinuityConfig:
       windows). A run restored correctly continues within its noise (the Pythia control's
       five restarts move the loss by under 1% of that gap); one restored without weights
       lands at the untrained level (fraction ~1).
+      It is judged on each of the first ``resume_windows`` (5) windows after the restart,
+      against the level of the timeline the run returned to (what the run had reached before
+      the step it resumed at, whatever the abandoned steps did): a trainer may log one more
+      normal row (the step it restored, or a loss computed before the load took effect) and
+      jump on the next one, as two public pretraining runs that lost their state did.
+    - ``level_every`` 50, ``levels_kept`` 256: the run's loss level is remembered every 50 steps
+      for the last 256 of them (12,800 steps), so a restart onto a checkpoint older than the
+      spike window (100 steps) is judged against the level the run had there.
     - ``min_progress`` 10%: the check needs the run to have trained (its loss at least 10%
       below the untrained level), else there is nothing to lose.
     - ``warmup_lr_ratio`` 2 and ``trained_lr_ratio`` 4: the learning rate after the restart
@@ -57,6 +65,9 @@ class ContinuityConfig:
 
     initial_points: int = 5
     untrained_fraction: float = 0.5
+    resume_windows: int = 5
+    level_every: int = 50
+    levels_kept: int = 256
     min_progress: float = 0.10
     warmup_lr_ratio: float = 2.0
     trained_lr_ratio: float = 4.0
@@ -65,8 +76,10 @@ class ContinuityConfig:
     param_state_fraction: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.initial_points < 1 or not 0 < self.untrained_fraction <= 1:
-            raise ValueError("ContinuityConfig: initial_points >= 1, 0 < untrained_fraction <= 1")
+        if self.initial_points < 1 or not 0 < self.untrained_fraction <= 1 or self.resume_windows < 1:
+            raise ValueError(
+                "ContinuityConfig: initial_points >= 1, 0 < untrained_fraction <= 1, resume_windows >= 1"
+            )
         if self.warmup_lr_ratio >= self.trained_lr_ratio:
             raise ValueError("ContinuityConfig: warmup_lr_ratio must be below trained_lr_ratio")
         if not 0 < self.cursor_fraction < 1 or self.lr_relative_tolerance < 0:
@@ -76,10 +89,25 @@ class ContinuityConfig:
 
 
 @dataclass(frozen=True)
+class Restart:
+    """The newest restart, while its first windows are judged against what it returned to."""
+
+    step: int
+    level_before: float | None
+    windows: int = 0
+    """Windows judged since it, its first included."""
+    flagged: bool = False
+
+
+@dataclass(frozen=True)
 class ContinuityState:
     initial_losses: tuple[float, ...] = ()
     first_lr: float | None = None
     previous: StepPoint | None = None
+    restart: Restart | None = None
+    levels: tuple[tuple[int, float], ...] = ()
+    """(step, the loss level before it), every ``level_every`` steps: what a restart onto an
+    earlier step returns to when the spike window only holds the abandoned steps."""
 
 
 def _finite(value: float | None) -> bool:
@@ -122,13 +150,38 @@ def observe_continuity(
         else (point.lr if _finite(point.lr) and point.lr else None)
     )
     found: tuple[Finding, ...] = ()
+    restart = state.restart
     if point.restart and state.previous is not None:
-        found = (
-            _lost_weights(point, initial, level_before, config)
-            + _restarted_schedule(point, state.previous, first_lr, config)
-            + _reset_cursor(point, state.previous, config)
+        restart = Restart(point.step, level_before)
+        found = _restarted_schedule(point, state.previous, first_lr, config) + _reset_cursor(
+            point, state.previous, config
         )
-    return ContinuityState(initial_losses=initial, first_lr=first_lr, previous=point), found
+    if restart is not None and not restart.flagged and restart.windows < config.resume_windows:
+        lost = _lost_weights(point, initial, restart, config)
+        restart = replace(restart, windows=restart.windows + 1, flagged=bool(lost))
+        found = lost + found
+    levels = state.levels
+    if not point.restart and level_before is not None and _level_due(levels, point.step, config):
+        levels = (*levels, (point.step, level_before))[-config.levels_kept :]
+    return ContinuityState(initial, first_lr, point, restart, levels), found
+
+
+def _level_due(levels: tuple[tuple[int, float], ...], step: int, config: ContinuityConfig) -> bool:
+    return not levels or step - levels[-1][0] >= config.level_every or step < levels[-1][0]
+
+
+def level_at(state: ContinuityState, step: int) -> float | None:
+    """The loss level the run had before ``step``, as remembered (None: nothing that early)."""
+    return next((level for at, level in reversed(state.levels) if at <= step), None)
+
+
+def at_restart(state: ContinuityState, step: int, config: ContinuityConfig) -> Restart | None:
+    """The restart a change that began at ``step`` began at: within its first
+    ``resume_windows`` steps (a level shift there is a broken resume, not a shape)."""
+    restart = state.restart
+    if restart is None or not restart.step <= step < restart.step + config.resume_windows:
+        return None
+    return restart
 
 
 def lost_weights_detected(findings: Sequence[Finding]) -> bool:
@@ -138,9 +191,10 @@ def lost_weights_detected(findings: Sequence[Finding]) -> bool:
 def _lost_weights(
     point: StepPoint,
     initial: tuple[float, ...],
-    level_before: float | None,
+    restart: Restart,
     config: ContinuityConfig,
 ) -> tuple[Finding, ...]:
+    level_before = restart.level_before
     if not initial or level_before is None or not _finite(point.loss):
         return ()
     untrained = median(initial)
@@ -150,20 +204,37 @@ def _lost_weights(
     back = (point.loss - level_before) / gap  # type: ignore[operator]
     if back < config.untrained_fraction:
         return ()
-    return (
-        _finding(
-            point,
-            "broken_resume",
-            "loss",
-            point.loss,
-            level_before + config.untrained_fraction * gap,
-            f"after the restart at step {point.step} the loss is {point.loss:.4g}, {back:.0%} of the "
-            f"way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
-            "not restored",
-            untrained=untrained,
-            level_before=level_before,
-            fraction=back,
+    later = "" if point.step == restart.step else f" at step {point.step}"
+    finding = _finding(
+        point,
+        "broken_resume",
+        "loss",
+        point.loss,
+        level_before + config.untrained_fraction * gap,
+        f"after the restart at step {restart.step} the loss is {point.loss:.4g}{later}, {back:.0%} of "
+        f"the way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
+        "lost or not loaded",
+        untrained=untrained,
+        level_before=level_before,
+        fraction=back,
+        restart_step=restart.step,
+    )
+    return (replace(finding, step=restart.step),)
+
+
+def level_shift_at_restart(finding: Finding, restart: Restart) -> Finding:
+    """A level shift that began at a restart, named for what it is: a broken resume."""
+    return replace(
+        finding,
+        step=restart.step,
+        kind="broken_resume",
+        severity=Severity.CRITICAL,
+        message=(
+            f"the loss moved to a new level at the restart at step {restart.step} and stayed there "
+            f"({finding.message}): a resume that restored the run continues its level, so what was "
+            "loaded is not what was saved"
         ),
+        evidence={**finding.evidence, "restart_step": restart.step, "shape": "level_shift"},
     )
 
 
@@ -450,8 +521,12 @@ __all__ = [
     "ContinuityConfig",
     "ContinuityState",
     "Expected",
+    "Restart",
     "ResumeFacts",
+    "at_restart",
     "data_order_note",
+    "level_at",
+    "level_shift_at_restart",
     "lost_weights_detected",
     "observe_continuity",
     "resume_findings",

@@ -37,11 +37,17 @@ INCIDENT_KIND_OF_FINDING = {
 SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank", "canary": "device"}
 
 # A finding of the first kind resolves the open incident of the second kind in its scope.
-RESOLVES = {"straggler_recovered": "straggler"}
+RESOLVES = {"straggler_recovered": "straggler", "restart_loop_ended": "restart_loop"}
 
 # An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
 # level shift. Each entry: (current kind, finding's incident kind) -> refined kind.
-REFINEMENTS = {("spike", "level_shift"): "level_shift"}
+REFINEMENTS = {
+    ("spike", "level_shift"): "level_shift",
+    # The jump after a restart was a spike until the resume rule saw it stay or reach the
+    # untrained level: then it is a broken resume.
+    ("spike", "broken_resume"): "broken_resume",
+    ("level_shift", "broken_resume"): "broken_resume",
+}
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ def _finding(window: RankWindow, index: int, value: float, center: float, thresh
         threshold=threshold,
         message=(
             f"rank {rank} loss per token {value:.4g} at step {window.step} is above its peers' "
-            f"{center:.4g} (threshold {threshold:.4g})"
+            f"{center:.4g} (threshold {threshold:.4g}; per-rank rule: this rank against its "
+            f"{len(window.ranks) - 1} data-parallel peers at the same step)"
         ),
         incarnation=window.incarnation,
         attempt=window.attempt,
@@ -102,6 +103,7 @@ def _finding(window: RankWindow, index: int, value: float, center: float, thresh
         node=window.nodes[index],
         device=window.devices[index],
         evidence={
+            "rule": "dp_peers",
             "peer_median": center,
             "tokens": float(window.tokens[index]),
             "sample_ids": list(window.sample_ids[index] or [])[:64],

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, replace
 from policies.continuity import (
     ContinuityConfig,
     ContinuityState,
+    at_restart,
+    level_at,
+    level_shift_at_restart,
     lost_weights_detected,
     observe_continuity,
 )
@@ -51,19 +54,28 @@ def observe_step(
     if point.restart:
         state = rewound(state, point.step)
     window = state.loss_spike.window
-    level_before = window.median() if len(window) else None
+    level_before = window.median() if len(window) else level_at(state.continuity, point.step)
     continuity, resumed = observe_continuity(state.continuity, point, level_before, config.continuity)
     loss_spike, spikes = observe_spike(state.loss_spike, point, "loss", config.loss_spike)
     if lost_weights_detected(resumed):
         # The jump is explained (the weights were not restored) and the old normal no longer
         # describes this run: judge what follows against itself.
         loss_spike, spikes = SpikeState.empty(config.loss_spike), ()
+    spikes = tuple(_named_at_restart(f, continuity, config) for f in spikes)
     grad_norm_spike, grad_spikes = observe_spike(
         state.grad_norm_spike, point, "grad_norm", config.grad_norm_spike
     )
     numerics, numeric = observe_numerics(state.numerics, point, config.numerics)
     findings = numeric + resumed + spikes + grad_spikes + normalization_findings(point, config.normalization)
     return SeriesState(loss_spike, grad_norm_spike, numerics, continuity), findings
+
+
+def _named_at_restart(finding: Finding, continuity: ContinuityState, config: SeriesConfig) -> Finding:
+    """A loss level shift that began at a restart is a broken resume."""
+    if finding.kind != "loss_level_shift":
+        return finding
+    restart = at_restart(continuity, finding.step, config.continuity)
+    return finding if restart is None else level_shift_at_restart(finding, restart)
 
 
 def rewound(state: SeriesState, step: int) -> SeriesState:

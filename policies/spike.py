@@ -19,6 +19,11 @@ from policies.stats import allowed_excess
 from policies.types import Finding, Severity, StepPoint
 from policies.window import RobustWindow
 
+# Which rule a finding comes from, in its evidence: this one judges the run-level series
+# (every rank of a window together) against the run's own trailing history; the per-rank rule
+# (``policies.rank_loss``) judges one rank against its data-parallel peers at the same step.
+RULE = "run_history"
+
 
 @dataclass(frozen=True)
 class SpikeConfig:
@@ -184,11 +189,12 @@ def _finding(
         threshold=shown_threshold,
         message=(
             f"{signal} {raw:.4g} at step {point.step} is above its {basis} threshold "
-            f"{shown_threshold:.4g} (trailing median {shown_center:.4g} over {len(window)} steps)"
+            f"{shown_threshold:.4g} (trailing median {shown_center:.4g} over {len(window)} steps; "
+            "run-level rule: the whole run against its own past)"
         ),
         incarnation=point.incarnation,
         attempt=point.attempt,
-        evidence={"median": shown_center, "window": len(window), "warm": warm},
+        evidence={"median": shown_center, "window": len(window), "warm": warm, "rule": RULE},
     )
 
 
@@ -213,9 +219,15 @@ def _level_shift(
         threshold=_display(threshold, config),
         message=(
             f"{signal} jumped at step {first_step} and stayed up: median {shown_level:.4g} over "
-            f"{len(flagged)} windows against a prior normal of {shown_center:.4g}"
+            f"{len(flagged)} windows against a prior normal of {shown_center:.4g} (run-level rule: "
+            "the whole run against its own past)"
         ),
         incarnation=point.incarnation,
         attempt=point.attempt,
-        evidence={"windows": len(flagged), "prior_median": shown_center, "detected_at": point.step},
+        evidence={
+            "windows": len(flagged),
+            "prior_median": shown_center,
+            "detected_at": point.step,
+            "rule": RULE,
+        },
     )

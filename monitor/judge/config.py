@@ -12,6 +12,7 @@ from policies.hangs import HangConfig
 from policies.rank_loss import RankLossConfig
 from policies.rank_nonfinite import RankNonfiniteConfig
 from policies.readiness import ReadinessConfig
+from policies.restart_loop import RestartLoopConfig
 from policies.series import SeriesConfig
 from policies.stragglers import StragglerConfig
 
@@ -33,6 +34,7 @@ class EngineConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     hangs: HangConfig = field(default_factory=HangConfig)
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
+    restart_loop: RestartLoopConfig = field(default_factory=RestartLoopConfig)
     cached_windows: int = 1024
     judge_chunk: int = 256
 

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 from monitor.judge.config import EngineConfig
 from monitor.judge.incidents import IncidentRecorder
 from monitor.judge.readings import RANK_FIELDS, point_from_summary, rank_window
+from monitor.judge.restarts import judge_restarts
 from monitor.judge.resumes import judge_resumes
 from monitor.store import hook_settings, models, queries
 from policies.readiness import (
@@ -158,6 +159,12 @@ class PolicyEngine:
             # run stands at the step it resumed at, not at the abandoned one judged last.
             detected = min((f.step for f in findings), default=self.last_step(run_id))
             return self.incidents.record(connection, run_id, findings, detected)
+
+    def judge_restarts(self, run_id: int) -> list[int]:
+        """The restart-loop guard, when an incarnation started or finished."""
+        with self._lock, self._engine.begin() as connection:
+            findings = judge_restarts(connection, run_id, self._config.restart_loop)
+            return self.incidents.record(connection, run_id, findings, self.last_step(run_id))
 
     def forget(self, run_id: int) -> None:
         with self._lock:

@@ -45,6 +45,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("policies", "stragglers"): ("engine", "stragglers"),
     ("policies", "hangs"): ("engine", "hangs"),
     ("policies", "readiness"): ("engine", "readiness"),
+    ("policies", "restart_loop"): ("engine", "restart_loop"),
     ("policies", "devices"): ("devices",),
     ("policies", "canary"): ("canaries", "comparison"),
     ("policies", "canary_schedule"): ("canaries", "schedule"),

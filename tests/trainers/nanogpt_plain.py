@@ -15,7 +15,7 @@ draws. DDP on gloo, on the CPU, one thread per rank.
 the lines that differ). The test knobs are in both alike: ``nan_at`` (rank ``nan_rank``'s loss
 at that iteration is NaN, once per process), ``corrupt_at`` (rank ``corrupt_rank``'s
 first microbatch at that iteration is random tokens, once per process: a corrupted shard), ``iter_sleep`` (seconds added to
-each step) and
+each step), ``crash_at`` (the process raises after that iteration's update) and
 ``resume_fault``, what a faulty restore forgets: ``weights``, ``optimizer`` (its state; the rate
 is still set by the loop) or ``lr`` (the schedule's place: it restarts at this process's first
 iteration).
@@ -64,6 +64,7 @@ nan_rank = 1
 corrupt_at = -1
 corrupt_rank = 2
 iter_sleep = 0.0
+crash_at = -1  # the test's crash: this process raises at that iteration, before its step
 resume_fault = ""  # the test's broken resumes: "weights", "optimizer" or "lr"
 for arg in sys.argv[1:]:
     key, value = arg.removeprefix("--").split("=", 1)
@@ -225,6 +226,8 @@ while True:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     time.sleep(iter_sleep)
+    if iter_num == crash_at:  # the test's fault
+        raise RuntimeError(f"crashed at iteration {iter_num} (--crash_at)")
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0 and master_process:
