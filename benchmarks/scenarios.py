@@ -38,6 +38,11 @@ class Scenario:
     steps: int = 160
     seed: int = 0
     hang: bool = False
+    service_settings: tuple[tuple[str, str], ...] = (
+        ("RUNHEALTH_HANG_MIN_TIMEOUT_S", "10"),
+        ("RUNHEALTH_HEARTBEAT_S", "0.5"),
+    )
+    """The service's settings besides its admin token (``()``: its defaults, and the hook's)."""
     task: str = "text"
     """The demo's character-level transformer: a step of tens of milliseconds per rank, as its
     phases must be for timings to mean anything (the ``sequence`` task's phases last a few
@@ -122,6 +127,9 @@ class Outcome:
     steps: int = 0
     hang_timeout_s: float | None = None
     hang_detected_after_s: float | None = None
+    hang_in_phase_s: float | None = None
+    """How long the stuck rank had been in its phase when the hang was named (its heartbeat's
+    ``phase_since`` to the finding): the detection delay, on the rank's own clock."""
     seconds: float = 0.0
     error: str | None = None
 
@@ -132,12 +140,7 @@ def run_scenario(scenario: Scenario, workdir: Path) -> Outcome:
     admin = secrets.token_urlsafe(16)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("RUNHEALTH_")}
     environ["PYTHONPATH"] = str(REPO)
-    service_env = {
-        **environ,
-        "RUNHEALTH_ADMIN_TOKEN": admin,
-        "RUNHEALTH_HANG_MIN_TIMEOUT_S": "10",
-        "RUNHEALTH_HEARTBEAT_S": "0.5",
-    }
+    service_env = {**environ, "RUNHEALTH_ADMIN_TOKEN": admin, **dict(scenario.service_settings)}
     db, port_file = root / "store.db", root / "port"
     started = time.monotonic()
     with open(root / "serve.log", "ab") as serve_log:
@@ -186,7 +189,7 @@ def run_scenario(scenario: Scenario, workdir: Path) -> Outcome:
         outcome.incidents = _incidents(db)
         outcome.steps = _steps(db)
         if scenario.hang:
-            outcome.hang_timeout_s = 10.0
+            outcome.hang_timeout_s, outcome.hang_in_phase_s = _hang_evidence(db)
     except Exception as exc:  # a broken scenario is reported, not hidden
         outcome.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -257,6 +260,17 @@ def _incidents(db: Path, kind: str | None = None) -> list[dict[str, Any]]:
     for row in rows:
         row["ranks"] = json.loads(row["ranks"]) if isinstance(row["ranks"], str) else row["ranks"]
     return rows
+
+
+def _hang_evidence(db: Path) -> tuple[float | None, float | None]:
+    """The first hang finding's timeout and its stuck rank's time in phase."""
+    rows = _query(db, "SELECT threshold, evidence FROM findings WHERE kind = 'hang' ORDER BY id LIMIT 1")
+    if not rows:
+        return None, None
+    evidence = rows[0]["evidence"]
+    evidence = json.loads(evidence) if isinstance(evidence, str) else evidence
+    stuck = evidence.get("stuck") or [{}]
+    return rows[0]["threshold"], stuck[0].get("in_phase_s")
 
 
 def _stuck(db: Path) -> bool:

@@ -11,6 +11,7 @@ ids.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -25,6 +26,7 @@ from collectors.data_state import state_digest
 from collectors.guard import EntryErrors, guarded
 from collectors.manifests import ManifestJob, ManifestWorker
 from collectors.outbox import Outbox
+from collectors.phases import Phase
 from collectors.restore import gather_restored
 from collectors.window import render_ids
 from policies.protocol import to_wire
@@ -70,6 +72,15 @@ class CheckpointEvents:
         self.manifests = ManifestWorker(self._send_checkpoint, config.hook.manifest_settle_s)
 
     @guarded
+    def checkpoint_saving(self) -> None:
+        """A save begins (optional; call it right before writing, then ``checkpoint_saved``):
+        heartbeats say ``saving`` meanwhile, and the hang rule gives a declared save its own
+        timeout (30 minutes, or longer when the run's saves were) instead of a step's. Not on
+        the step path: no mark in the window's timings."""
+        phases = self._windows.phases
+        phases.current = (Phase.SAVING, time.perf_counter(), None)
+
+    @guarded
     def checkpoint_saved(
         self,
         step: int,
@@ -90,6 +101,9 @@ class CheckpointEvents:
         ``consumed`` defaults to the count the given manifest names, else to the hook's own
         consumed-example count now (None where the hook lost count): a rollback to this
         checkpoint continues from it."""
+        phases = self._windows.phases
+        if phases.current[0] is Phase.SAVING:  # the save is over: between windows again
+            phases.current = (Phase.DATA, time.perf_counter(), None)
         location = checkpoint_location(path)  # the trainer's working directory, not the service's
         now = self._clock()
         if consumed is None:

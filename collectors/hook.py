@@ -147,6 +147,7 @@ class RunHealth:
         self.grad_norm = windows.grad_norm
         self.window_end = windows.window_end
         self.optimizer_step_observed = windows.optimizer_step_observed
+        self.checkpoint_saving = events.checkpoint_saving
         self.checkpoint_saved = events.checkpoint_saved
         self.resumed = events.resumed
         self.watch(model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler)

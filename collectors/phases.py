@@ -25,6 +25,7 @@ class Phase(enum.StrEnum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"  # clipping, the optimizer step, the scheduler
     HELD = "held"  # paused by a hold directive between windows, until it is released
+    SAVING = "saving"  # a checkpoint save the trainer declared, until ``checkpoint_saved``
     CLOSED = "closed"
 
 

@@ -16,16 +16,29 @@ from dataclasses import dataclass
 from policies.types import Finding, Severity
 
 HELD = "held"  # the hook's phase while a hold directive pauses the rank (collectors.phases)
+SAVING = "saving"  # a checkpoint save the trainer declared (``rh.checkpoint_saving()``)
+TRAINING = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
 class HangConfig:
-    """How long is too long.
+    """How long is too long, per phase.
 
-    - timeout = max(``min_timeout_s``, ``step_time_factor`` x the 90th percentile of the
-      run's recent window durations). 10x p90: a checkpoint save or an eval pass can take a
-      few steps' time; nothing healthy holds one phase for ten slow steps. The 60 s floor
-      keeps start-up (compilation, first all-reduce) from looking hung.
+    - a training phase (forward, backward, optimizer): max(``train_floor_s``,
+      ``step_time_factor`` x the 90th percentile of the run's recent window durations). 10x
+      p90: nothing healthy holds one phase of a step for ten slow steps. The 9 s floor: with
+      the 5 s check period a rank stuck in a step of under a second is named within 15 s (the
+      best published detector, ByteDance's Mycroft, flags 90% of anomalies within 15 s).
+    - between windows (the data wait, and whatever the trainer does between two windows:
+      evaluation, an undeclared checkpoint save, logging): the same, with the ``min_timeout_s``
+      floor (60 s: start-up, compilation, a first evaluation), and at least ``pause_factor``
+      (1.5) x the longest window the run has had: a save or evaluation as long as one the run
+      already went through is not a hang (long checkpoint saves are the most reported source
+      of false hang alarms in peers' trackers).
+    - a save the trainer declared (``rh.checkpoint_saving()``, until ``checkpoint_saved``):
+      ``saving_floor_s`` (30 minutes: a multi-terabyte checkpoint to a parallel file system),
+      or ``pause_factor`` x the longest window if that is longer.
+    - until the run has 5 windows, the floors only (``min_timeout_s`` for every phase).
     - a rank is missing when its newest heartbeat is older than ``silence_intervals`` x the
       heartbeat interval (3: one lost or late heartbeat is not silence), and never before
       ``min_silence_s`` (10 s: measured in this repository's scenario benchmark, four ranks
@@ -35,14 +48,19 @@ class HangConfig:
     """
 
     min_timeout_s: float = 60.0
+    train_floor_s: float = 9.0
+    saving_floor_s: float = 1800.0
+    pause_factor: float = 1.5
     step_time_factor: float = 10.0
     heartbeat_interval_s: float = 5.0
     silence_intervals: float = 3.0
     min_silence_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.min_timeout_s <= 0 or self.step_time_factor < 1:
-            raise ValueError("HangConfig: min_timeout_s > 0, step_time_factor >= 1")
+        if min(self.min_timeout_s, self.train_floor_s, self.saving_floor_s) <= 0:
+            raise ValueError("HangConfig: min_timeout_s, train_floor_s and saving_floor_s must be > 0")
+        if self.step_time_factor < 1 or self.pause_factor < 1:
+            raise ValueError("HangConfig: step_time_factor >= 1, pause_factor >= 1")
         if self.heartbeat_interval_s <= 0 or self.silence_intervals < 1 or self.min_silence_s < 0:
             raise ValueError(
                 "HangConfig: heartbeat_interval_s > 0, silence_intervals >= 1, min_silence_s >= 0"
@@ -67,19 +85,41 @@ class Beat:
     received_at: float
 
 
-def learned_timeout(window_durations: Sequence[float], config: HangConfig) -> float:
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    """The timeout of each kind of phase for one run (``learned_timeouts``)."""
+
+    training: float
+    between: float
+    saving: float
+
+    def of(self, phase: str) -> float:
+        if phase in TRAINING:
+            return self.training
+        return self.saving if phase == SAVING else self.between
+
+
+def learned_timeouts(
+    window_durations: Sequence[float], config: HangConfig, longest_s: float = 0.0
+) -> PhaseTimeouts:
+    """From the run's recent window durations and the longest window it ever had."""
     durations = sorted(d for d in window_durations if d > 0)
     if len(durations) < 5:
-        return config.min_timeout_s
-    p90 = statistics.quantiles(durations, n=10)[-1]
-    return max(config.min_timeout_s, config.step_time_factor * p90)
+        return PhaseTimeouts(config.min_timeout_s, config.min_timeout_s, config.saving_floor_s)
+    steps = config.step_time_factor * statistics.quantiles(durations, n=10)[-1]
+    longest = config.pause_factor * max(durations[-1], longest_s)
+    return PhaseTimeouts(
+        training=max(config.train_floor_s, steps),
+        between=max(config.min_timeout_s, steps, longest),
+        saving=max(config.saving_floor_s, longest),
+    )
 
 
 def hang_finding(
     beats: Sequence[Beat],
     expected_ranks: int | None,
     now: float,
-    timeout: float,
+    timeouts: PhaseTimeouts,
     incarnation: str,
     config: HangConfig,
     stated_heartbeat_s: float | None = None,
@@ -94,8 +134,9 @@ def hang_finding(
     stuck = [
         b
         for b in beats
-        if now - b.received_at <= silence and now - b.phase_since > timeout and b.phase != HELD
+        if now - b.received_at <= silence and now - b.phase_since > timeouts.of(b.phase) and b.phase != HELD
     ]
+    timeout = max((timeouts.of(b.phase) for b in stuck), default=timeouts.between)
     silent = [b for b in beats if now - b.received_at > silence]
     seen = {b.rank for b in beats}
     overdue = started_at is None or now - started_at > max(timeout, silence)

@@ -327,6 +327,33 @@ def test_heartbeats_continue_while_the_training_thread_is_stuck(
     assert transport.records("heartbeat")[-1]["phase"] == "closed"
 
 
+def test_a_declared_save_is_its_own_phase_in_the_heartbeats_and_not_in_the_windows_timings(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """``rh.checkpoint_saving()`` to ``checkpoint_saved``: heartbeats say ``saving`` (the hang
+    rule gives it a save's timeout), then ``data`` again from the end of the save."""
+    config = hook_config(tmp_path, heartbeat_interval_s=0.05)
+    with attach(tmp_path, transport, config=config) as rh:
+        rh.window_start()
+        rh.loss(1.0, tokens=4)
+        rh.window_end()
+        rh.checkpoint_saving()
+        saving_from = time.time()
+        threading.Event().wait(0.3)  # writing the files
+        rh.checkpoint_saved(1, tmp_path / "ckpt.pt", hash_files=False)
+        saved_at = time.time()
+        threading.Event().wait(0.2)
+        rh.window_start()
+        rh.loss(1.0, tokens=4)
+        rh.window_end()
+    beats = transport.records("heartbeat")
+    saving = [b for b in beats if b["phase"] == "saving"]
+    assert saving and all(abs(b["phase_since"] - saving_from) < 0.05 for b in saving)
+    after = [b for b in beats if saving_from + 0.3 < b["time"] < saved_at + 0.2]
+    assert after and after[-1]["phase"] == "data" and after[-1]["phase_since"] >= saving_from + 0.29
+    assert len(transport.records("step")) == 2 and rh.counters["hook_errors"] == 0
+
+
 def test_a_stack_dump_shows_every_thread() -> None:
     release = threading.Event()
     worker = threading.Thread(target=release.wait, name="stuck-in-collective")

@@ -1,40 +1,68 @@
 import pytest
 
-from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
+from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts
 
 CONFIG = HangConfig(min_timeout_s=10.0, heartbeat_interval_s=1.0, min_silence_s=0.0)
+TEN = PhaseTimeouts(10.0, 10.0, 10.0)
 
 
 def beat(rank: int, phase: str = "forward", since: float = 95.0, heard: float = 99.5, step: int = 7) -> Beat:
     return Beat(rank=rank, node=f"n{rank}", step=step, phase=phase, phase_since=since, received_at=heard)
 
 
-def test_timeout_is_learned_from_step_times_with_a_floor() -> None:
-    assert learned_timeout([0.1] * 100, CONFIG) == 10.0
-    assert learned_timeout([2.0] * 100, CONFIG) == pytest.approx(20.0)
-    assert learned_timeout([2.0, 3.0], CONFIG) == 10.0  # too few to learn from
+def test_timeouts_are_learned_from_step_times_with_a_floor_per_phase() -> None:
+    quick = learned_timeouts([0.04] * 100, HangConfig())
+    assert quick == PhaseTimeouts(training=9.0, between=60.0, saving=1800.0)
+    slow = learned_timeouts([2.0] * 100, HangConfig())
+    assert (slow.training, slow.between) == (pytest.approx(20.0), 60.0)
+    assert learned_timeouts([2.0, 3.0], HangConfig()) == PhaseTimeouts(
+        60.0, 60.0, 1800.0
+    )  # too few to learn from
+    assert quick.of("backward") == 9.0 and quick.of("data") == quick.of("idle") == 60.0
+    assert quick.of("saving") == 1800.0
+
+
+def test_a_save_as_long_as_one_the_run_already_survived_is_no_hang() -> None:
+    """A 5-minute save between two windows of 40 ms steps: named when it is the run's first
+    that long, not when the run had one before (its longest window, 320 s)."""
+    first = learned_timeouts([0.04] * 100, HangConfig())
+    again = learned_timeouts([0.04] * 100, HangConfig(), longest_s=320.0)
+    assert again.between == pytest.approx(480.0) and again.training == 9.0
+    saving = [beat(0, "data", since=-200.0), beat(1, "data", since=-200.0)]  # 300 s between windows
+    assert hang_finding(saving, 2, 100.0, first, "i", HangConfig()) is not None
+    assert hang_finding(saving, 2, 100.0, again, "i", HangConfig()) is None
+
+
+def test_a_declared_save_longer_than_any_step_is_no_hang_but_a_stuck_step_is() -> None:
+    timeouts = learned_timeouts([0.04] * 100, HangConfig())
+    declared = [beat(0, "saving", since=-200.0), beat(1, "saving", since=-200.0)]  # 300 s saving
+    assert hang_finding(declared, 2, 100.0, timeouts, "i", HangConfig()) is None
+    stuck = [beat(0, "backward", since=90.0), beat(1, "data", since=90.0)]  # 10 s in one phase
+    finding = hang_finding(stuck, 2, 100.0, timeouts, "i", HangConfig())
+    assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
+    assert finding.threshold == 9.0 and "timeout 9 s" in finding.message
 
 
 def test_all_ranks_moving_is_no_hang() -> None:
     assert (
-        hang_finding([beat(r) for r in range(4)], 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+        hang_finding([beat(r) for r in range(4)], 4, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG)
         is None
     )
 
 
 def test_just_under_and_just_over_the_timeout() -> None:
     beats = [beat(0, since=90.5), beat(1)]
-    assert hang_finding(beats, 2, now=100.0, timeout=10.0, incarnation="i", config=CONFIG) is None
+    assert hang_finding(beats, 2, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG) is None
     beats = [beat(0, since=89.5), beat(1)]
-    finding = hang_finding(beats, 2, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    finding = hang_finding(beats, 2, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG)
     assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
 
 
 def test_a_held_rank_waits_on_purpose_but_a_silent_one_is_still_missing() -> None:
     held = [beat(r, "held", since=10.0) for r in range(4)]  # paused by a hold for 90 s
-    assert hang_finding(held, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG) is None
+    assert hang_finding(held, 4, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG) is None
     held[3] = beat(3, "held", since=10.0, heard=90.0)
-    finding = hang_finding(held, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    finding = hang_finding(held, 4, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG)
     assert finding is not None and finding.evidence["stuck"] == [] and len(finding.evidence["missing"]) == 1
 
 
@@ -45,7 +73,7 @@ def test_the_rank_in_another_phase_is_the_suspect() -> None:
         beat(2, "forward", since=50.0),
         beat(3, "backward", since=50.0),
     ]
-    finding = hang_finding(beats, 4, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    finding = hang_finding(beats, 4, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG)
     assert finding is not None
     assert finding.evidence["suspects"] == [2] and finding.rank == 2
     assert finding.evidence["wants"] == "stack_dumps"
@@ -54,7 +82,7 @@ def test_the_rank_in_another_phase_is_the_suspect() -> None:
 
 def test_a_silent_rank_and_a_never_seen_rank_are_missing() -> None:
     beats = [beat(0), beat(1, heard=90.0, step=5)]
-    finding = hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG)
+    finding = hang_finding(beats, 3, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG)
     assert finding is not None
     assert [m["rank"] for m in finding.evidence["missing"]] == [1, 2]
     assert finding.step == 5
@@ -72,15 +100,21 @@ def test_silence_uses_the_runs_stated_heartbeat_with_a_floor() -> None:
     assert config.silence_s(1.0) == 10.0  # three quick beats late is not silence yet
     assert config.silence_s(20.0) == 60.0
     beats = [beat(0), beat(1, heard=88.0)]  # 12 s since rank 1 was heard
-    assert hang_finding(beats, 2, 100.0, 30.0, "i", config, stated_heartbeat_s=1.0) is not None
-    assert hang_finding(beats, 2, 100.0, 30.0, "i", config, stated_heartbeat_s=5.0) is None
+    assert (
+        hang_finding(beats, 2, 100.0, PhaseTimeouts(30.0, 30.0, 30.0), "i", config, stated_heartbeat_s=1.0)
+        is not None
+    )
+    assert (
+        hang_finding(beats, 2, 100.0, PhaseTimeouts(30.0, 30.0, 30.0), "i", config, stated_heartbeat_s=5.0)
+        is None
+    )
 
 
 def test_a_rank_not_yet_heard_at_start_up_is_not_missing_until_the_timeout() -> None:
     beats = [beat(0), beat(1)]
     assert (
-        hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG, started_at=95.0)
+        hang_finding(beats, 3, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG, started_at=95.0)
         is None
     )
-    late = hang_finding(beats, 3, now=100.0, timeout=10.0, incarnation="i", config=CONFIG, started_at=85.0)
+    late = hang_finding(beats, 3, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG, started_at=85.0)
     assert late is not None and [m["rank"] for m in late.evidence["missing"]] == [2]

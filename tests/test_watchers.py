@@ -11,7 +11,7 @@ from monitor.recovery.directives import pending_for
 from monitor.service import Service
 from monitor.store import queries
 from policies.hangs import HangConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post, step_record
 
 OTHER = "00000000-0000-4000-8000-0000000000aa"
 
@@ -292,3 +292,22 @@ def test_a_resume_that_lost_its_state_is_named(service: Service, store: Engine, 
     with store.connect() as connection:
         kinds = {f["kind"] for f in queries.list_findings(connection, run.id, incident_id=incident["id"])}
     assert kinds == {"data_cursor_reset", "data_cursor_mismatch"}
+
+
+@pytest.mark.parametrize(("pause_s", "hung"), [(0.0, True), (300.0, False)])
+def test_a_pause_as_long_as_one_the_run_already_had_is_not_a_hang(
+    store: Engine, run: RunHandle, pause_s: float, hung: bool
+) -> None:
+    """400 windows of 40 ms, one of them (at window 50, long before the 200 the step timeout is
+    learned from) followed by a ``pause_s`` save; then every rank 350 s between two windows."""
+    clock = Clock()
+    service = Service(store, ServiceConfig(admin_token=ADMIN_TOKEN), clock=clock)
+    times = [1000.0 + 0.04 * w + (pause_s if w > 50 else 0.0) for w in range(400)]
+    records = [step_record(r, w, time=t) for w, t in enumerate(times) for r in range(2)]
+    post(service, run, [start(2)])
+    for first in range(0, len(records), 200):
+        post(service, run, records[first : first + 200])
+    clock.now = times[-1] + 350.0
+    post(service, run, [beat(r, "data", times[-1], clock.now - 1, step=399) for r in range(2)])
+    service.hangs.check()
+    assert [i["kind"] for i in incidents(store, run)] == (["hang"] if hung else [])

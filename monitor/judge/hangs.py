@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
@@ -19,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from monitor.judge.incidents import IncidentRecorder, close_incident
 from monitor.recovery import directives
 from monitor.store import hook_settings, models
-from policies.hangs import Beat, HangConfig, hang_finding, learned_timeout
+from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts
 
 HEARTBEAT = models.table_of(models.Heartbeat)
 INCARNATION = models.table_of(models.Incarnation)
@@ -28,6 +29,15 @@ INCIDENT = models.table_of(models.Incident)
 
 # Incarnations whose newest heartbeat is older than this are abandoned, not hung.
 ABANDONED_AFTER_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Longest:
+    """A run's longest window so far, and where reading its windows left off."""
+
+    last_id: int = 0
+    previous: dict[str, float] = field(default_factory=dict)
+    longest: float = 0.0
 
 
 class HangWatch:
@@ -40,6 +50,7 @@ class HangWatch:
         self._clock = clock
         self._lock = threading.Lock()
         self._reported: dict[tuple[int, str], tuple[frozenset[int], frozenset[int]]] = {}
+        self._longest: dict[int, Longest] = {}
 
     def check(self) -> list[int]:
         """One pass over every live incarnation; returns the hang incidents touched."""
@@ -97,7 +108,7 @@ class HangWatch:
             beats,
             world,
             now,
-            self._timeout(connection, run_id, incarnation),
+            self._timeouts(connection, run_id, incarnation),
             incarnation,
             self._config,
             hook_settings.stated(config, "heartbeat_s"),
@@ -132,7 +143,7 @@ class HangWatch:
                 )
         return touched
 
-    def _timeout(self, connection: Connection, run_id: int, incarnation: str) -> float:
+    def _timeouts(self, connection: Connection, run_id: int, incarnation: str) -> PhaseTimeouts:
         times = (
             connection.execute(
                 sa.select(SUMMARY.c.last_time)
@@ -144,7 +155,30 @@ class HangWatch:
             .all()
         )
         ordered = sorted(times)
-        return learned_timeout([b - a for a, b in pairwise(ordered)], self._config)
+        recent = [b - a for a, b in pairwise(ordered)]
+        return learned_timeouts(recent, self._config, self._longest_window(connection, run_id))
+
+    def _longest_window(self, connection: Connection, run_id: int) -> float:
+        """The longest window the run ever had (its longest save or evaluation between two
+        windows included), kept up to date from the windows summarized since the last check."""
+        seen = self._longest.get(run_id, Longest())
+        rows = connection.execute(
+            sa.select(SUMMARY.c.id, SUMMARY.c.incarnation, SUMMARY.c.last_time)
+            .where(SUMMARY.c.run_id == run_id, SUMMARY.c.id > seen.last_id)
+            .order_by(SUMMARY.c.id)
+            .limit(100_000)
+        ).all()
+        longest, previous = seen.longest, dict(seen.previous)
+        for row in rows:
+            before = previous.get(row.incarnation)
+            if before is not None and row.last_time > before:
+                longest = max(longest, row.last_time - before)
+            previous[row.incarnation] = row.last_time
+        last_id = rows[-1].id if rows else seen.last_id
+        # Only the newest incarnation's last window matters for the next gap.
+        newest = {rows[-1].incarnation: previous[rows[-1].incarnation]} if rows else seen.previous
+        self._longest[run_id] = Longest(last_id, newest, longest)
+        return longest
 
     def _resolve(self, connection: Connection, run_id: int, now: float) -> list[int]:
         open_hangs = (
