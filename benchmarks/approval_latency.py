@@ -121,7 +121,9 @@ def measured(db: Path, proposal_id: int, directive: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iter-sleep", type=float, default=0.05, help="seconds added to each iteration")
     args = parser.parse_args()

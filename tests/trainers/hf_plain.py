@@ -49,7 +49,9 @@ def main():
     parser.add_argument("--output_dir", default="out-hf")
     parser.add_argument("--max_steps", type=int, default=12)
     parser.add_argument("--resume_from", default=None, help="a checkpoint folder to resume from")
-    parser.add_argument("--ignore_data_skip", action="store_true", help="resume without fast-forwarding the data")
+    parser.add_argument(
+        "--ignore_data_skip", action="store_true", help="resume without fast-forwarding the data"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
