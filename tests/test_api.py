@@ -323,6 +323,25 @@ def test_conflicting_duplicate_is_409_and_stores_nothing_of_its_batch(
     assert service.counters[(run.name, "rejected")] == 1
 
 
+@both_backends
+def test_new_steps_beside_a_conflicting_run_start_store_nothing_and_are_judged_when_resent(
+    client: TestClient, store: Engine, run: RunHandle
+) -> None:
+    """A run start already stored with other content refuses its batch: the ten new step
+    records of that batch (another table, written first) are not stored either, so sending them
+    again alone stores and summarizes them (on SQLite the driver used to commit them at the
+    first savepoint's release)."""
+    start = next(r for r in record_of_each_kind(run.directive_id) if r["kind"] == "run_start")
+    assert post(client, run, batch(start)).status_code == 200
+    before = snapshot(store)
+    changed = {**start, "world_size": start.get("world_size", 1) + 7}
+    body = assert_rejected(post(client, run, batch(*steps(10), changed)), 409, "conflict", store, before)
+    assert body["index"] == 10
+    resent = post(client, run, batch(*steps(10)))
+    assert resent.status_code == 200 and strict_json(resent)["duplicates"] == 0
+    assert count_rows(store, STEP) == 10 and count_rows(store, models.StepSummary) == 10
+
+
 def test_conflict_inside_one_batch_is_409(client: TestClient, store: Engine, run: RunHandle) -> None:
     before = snapshot(store)
     records = [step_record(), step_record(rank=1), step_record(grad_norm=7.0)]

@@ -109,17 +109,73 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def _sqlite_savepoint(connection: Any, _name: str) -> None:
+    """Begin the transaction before its first savepoint. pysqlite begins one only at the first
+    write, so a SAVEPOINT issued before any write opened a transaction of its own, and its
+    RELEASE committed: a batch's step records were committed before a later record of the same
+    batch was refused (409), and stayed without their summaries. Reads still run outside a
+    transaction until the first write, as the driver does: concurrent writers that read first
+    then see each other's commits instead of failing on a stale snapshot."""
+    if not connection.connection.dbapi_connection.in_transaction:
+        connection.exec_driver_sql("BEGIN")
+
+
 def create_store_engine(
-    url: URL, *, mounts_file: Path = Path("/proc/self/mounts"), create_dir: bool = True
+    url: URL,
+    *,
+    mounts_file: Path = Path("/proc/self/mounts"),
+    create_dir: bool = True,
+    must_exist: bool = False,
 ) -> Engine:
+    """An engine on the store at ``url``. A new SQLite file is created here, mode 0600 (its
+    ``-wal`` and ``-shm`` files take the same mode from it), unless ``must_exist``: then a
+    missing file is a ``StoreError`` and nothing is created. A dialect this SQLAlchemy does not
+    know, or a driver that is not installed, is a ``StoreError`` too."""
     path = sqlite_path(url)
     if path is not None:
         check_local_disk(path, mounts_file)
+        if must_exist and not path.exists():
+            raise StoreError(f"no store at {path}")
         if create_dir:
             path.parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, json_serializer=_json_serializer, pool_pre_ping=path is None)
+        _create_private_file(path)
+    engine = _engine_for(url, pool_pre_ping=path is None)
     if url.get_backend_name() == "sqlite":
         sa.event.listen(engine, "connect", _sqlite_pragmas)
+        sa.event.listen(engine, "savepoint", _sqlite_savepoint)
+    return engine
+
+
+def _create_private_file(path: Path) -> None:
+    """The store's file, empty and readable by its owner only, before SQLite opens it (SQLite
+    would create it with the umask's mode, usually world-readable, tokens' digests and all)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        pass  # no parent directory: SQLite says so when it opens it
+
+
+def _engine_for(url: URL, *, pool_pre_ping: bool) -> Engine:
+    shown = url.render_as_string(hide_password=True)
+    try:
+        engine = sa.create_engine(url, json_serializer=_json_serializer, pool_pre_ping=pool_pre_ping)
+    except sa.exc.NoSuchModuleError as exc:
+        raise StoreError(
+            f"unknown database type {url.drivername!r} in {shown}: use an SQLite path or "
+            "postgresql+psycopg2://..."
+        ) from exc
+    except ImportError as exc:
+        raise StoreError(
+            f"the driver for {url.drivername!r} ({shown}) is not installed ({exc}); install it, "
+            "or use postgresql+psycopg2:// (pip install 'runhealth[postgres]')"
+        ) from exc
+    except sa.exc.ArgumentError as exc:
+        raise StoreError(f"cannot open the store {shown}: {exc}") from exc
+    if engine.dialect.is_async:
+        engine.dispose()
+        raise StoreError(f"{url.drivername!r} ({shown}) is an asyncio driver; use a synchronous one")
     return engine
 
 
