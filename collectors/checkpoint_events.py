@@ -77,8 +77,9 @@ class CheckpointEvents:
         heartbeats say ``saving`` meanwhile, and the hang rule gives a declared save its own
         timeout (30 minutes, or longer when the run's saves were) instead of a step's. Not on
         the step path: no mark in the window's timings."""
-        phases = self._windows.phases
-        phases.current = (Phase.SAVING, time.perf_counter(), None)
+        phases = getattr(self._windows, "phases", None)  # none before attach: no heartbeats yet
+        if phases is not None:
+            phases.current = (Phase.SAVING, time.perf_counter(), None)
 
     @guarded
     def checkpoint_saved(
@@ -101,8 +102,8 @@ class CheckpointEvents:
         ``consumed`` defaults to the count the given manifest names, else to the hook's own
         consumed-example count now (None where the hook lost count): a rollback to this
         checkpoint continues from it."""
-        phases = self._windows.phases
-        if phases.current[0] is Phase.SAVING:  # the save is over: between windows again
+        phases = getattr(self._windows, "phases", None)
+        if phases is not None and phases.current[0] is Phase.SAVING:  # over: between windows again
             phases.current = (Phase.DATA, time.perf_counter(), None)
         location = checkpoint_location(path)  # the trainer's working directory, not the service's
         now = self._clock()

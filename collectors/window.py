@@ -510,11 +510,21 @@ def reported_loss(values: dict[str, float | None], window: WindowValues) -> floa
     return loss_total / window.count if loss_total is not None else None
 
 
+# Integer sample ids travel as 64-bit JSON integers; a wider one (a 128-bit hash) as its
+# decimal string, which the service takes as an id like any other: it once failed the
+# window's encoding, and the window was lost with nothing on disk to say so.
+ID_MIN, ID_MAX = -(2**63), 2**63 - 1
+
+
 def render_ids(ids: Any, limit: int) -> list[int | str] | None:
     """Sample ids as the service takes them: ints or strings, at most ``limit``."""
     if ids is None:
         return None
     listed = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    return [
-        item if type(item) is int or isinstance(item, int | str) else str(item) for item in listed[:limit]
-    ]
+    return [_render_id(item) for item in listed[:limit]]
+
+
+def _render_id(item: Any) -> int | str:
+    if isinstance(item, int) and not isinstance(item, bool):
+        return item if ID_MIN <= item <= ID_MAX else str(item)
+    return item if isinstance(item, str) else str(item)

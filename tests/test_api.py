@@ -126,6 +126,68 @@ def test_wrong_type_is_422_naming_index_and_field(
     assert_problem(body, 2, field)
 
 
+@both_backends
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rank", 2**31),
+        ("rank", 10_000_000),  # past the protocol's 2^20 ranks
+        ("rank", 2**70),
+        ("step", 2**31),
+        ("tokens", 2**63),
+        ("consumed", 2**64),
+    ],
+)
+def test_integers_past_what_the_store_holds_are_422_naming_the_field(
+    client: TestClient, store: Engine, run: RunHandle, field: str, value: Any
+) -> None:
+    """Refused by name before anything is stored or judged (they were 500s, and a rank of
+    2^31 made the engine allocate per-rank vectors of that length)."""
+    before = snapshot(store)
+    body = assert_rejected(
+        post(client, run, batch(*steps(2), step_record(attempt=2, **{field: value}))),
+        422,
+        "invalid_record",
+        store,
+        before,
+    )
+    assert_problem(body, 2, field)
+
+
+def test_an_attempt_or_a_sample_id_past_64_bits_is_422(
+    client: TestClient, store: Engine, run: RunHandle
+) -> None:
+    before = snapshot(store)
+    wide_attempt = {**step_record(attempt=2), "attempt": 2**70}
+    body = assert_rejected(post(client, run, batch(wide_attempt)), 422, "invalid_record", store, before)
+    assert_problem(body, 0, "attempt")
+    body = assert_rejected(
+        post(client, run, batch(step_record(attempt=2, sample_ids=[2**100]))),
+        422,
+        "invalid_record",
+        store,
+        before,
+    )
+    assert body["problems"][0]["field"].startswith("sample_ids.0")
+
+
+def test_a_rank_past_the_declared_world_size_is_422(
+    client: TestClient, store: Engine, run: RunHandle
+) -> None:
+    start = next(r for r in record_of_each_kind(run.directive_id) if r["kind"] == "run_start")
+    assert post(client, run, batch({**start, "world_size": 4})).status_code == 200
+    before = snapshot(store)
+    body = assert_rejected(
+        post(client, run, batch(*steps(2), step_record(rank=4, attempt=2))),
+        422,
+        "invalid_record",
+        store,
+        before,
+    )
+    assert_problem(body, 2, "rank")
+    assert post(client, run, batch(step_record(rank=3, attempt=2))).status_code == 200
+
+
 @pytest.mark.parametrize("field", ["incarnation", "rank", "attempt", "step", "time"])
 def test_missing_required_field_is_422(client: TestClient, store: Engine, run: RunHandle, field: str) -> None:
     before = snapshot(store)

@@ -119,6 +119,21 @@ def test_supervised_tokens_stay_on_the_device_as_exact_float64() -> None:
 # What a window records.
 
 
+def test_a_sample_id_wider_than_64_bits_travels_as_its_decimal_string(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """A 128-bit id (a content hash) failed the window's encoding, and the window was lost."""
+    wide = 2**100 + 7
+    with attach(tmp_path, transport) as rh:
+        for window in range(3):
+            rh.window_start(sample_ids=[wide, window, -(2**63)])
+            rh.loss(1.0, tokens=4)
+            rh.window_end()
+    steps = transport.records("step")
+    assert [s["sample_ids"] for s in steps] == [[str(wide), w, -(2**63)] for w in range(3)]
+    assert rh.counters["hook_errors"] == 0
+
+
 def test_a_plain_loop_records_each_window(tmp_path: Path, transport: RecordingTransport) -> None:
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -140,6 +140,7 @@ def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], no
         by_kind[record.kind].append((index, record))
     if "directive_ack" in by_kind:
         _check_directives(connection, run_id, by_kind["directive_ack"])
+    _check_ranks(connection, run_id, records)
     for kind, indexed in by_kind.items():
         if kind in KEYED_TABLES:
             stored = _ingest_keyed(connection, run_id, kind, indexed, now, result)
@@ -154,6 +155,33 @@ def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], no
         result.by_kind[kind] = stored
         result.accepted += stored
     return result
+
+
+def _check_ranks(connection: Connection, run_id: int, records: Sequence[Any]) -> None:
+    """A rank at or past its incarnation's declared world size (its run start, stored or in
+    this batch) is refused by name: what the engine keeps per rank stays bounded by the job."""
+    declared = {r.incarnation: r.world_size for r in records if r.kind == "run_start"}
+    ranked = [
+        (i, r)
+        for i, r in enumerate(records)
+        if getattr(r, "rank", None) is not None and hasattr(r, "incarnation")
+    ]
+    wanted = {r.incarnation for _, r in ranked} - set(declared)
+    if wanted:
+        table = models.table_of(models.Incarnation)
+        declared.update(
+            connection.execute(
+                sa.select(table.c.incarnation, table.c.world_size).where(
+                    table.c.run_id == run_id, table.c.incarnation.in_(wanted), table.c.world_size.is_not(None)
+                )
+            ).all()
+        )
+    for index, record in ranked:
+        world = declared.get(record.incarnation)
+        if world is not None and record.rank >= world:
+            raise InvalidRecord(
+                index, "rank", f"rank {record.rank} is not below the declared world size {world}"
+            )
 
 
 def _check_directives(connection: Connection, run_id: int, indexed: list[tuple[int, Any]]) -> None:

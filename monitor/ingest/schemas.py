@@ -31,8 +31,8 @@ class _Record(BaseModel):
 def annotation(value_type: protocol.ValueType) -> Any:
     """The pydantic type of one protocol value type, limits included."""
     match value_type:
-        case protocol.Integer(ge=ge):
-            return int if ge is None else Annotated[int, Field(ge=ge)]
+        case protocol.Integer(ge=ge, le=le):
+            return int if ge is None and le is None else Annotated[int, Field(ge=ge, le=le)]
         case protocol.Real():
             return Real
         case protocol.Text(max_length=longest, min_length=shortest, pattern=pattern):

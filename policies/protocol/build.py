@@ -77,10 +77,12 @@ def require(kind: Structure, *names: str) -> tuple[str, ...]:
 def value_problem(expected: ValueType, value: Any) -> str | None:
     """Why ``value`` is not a valid ``expected`` (None when it is)."""
     match expected:
-        case Integer(ge=ge):
+        case Integer(ge=ge, le=le):
             if not isinstance(value, int) or isinstance(value, bool):
                 return f"expected an integer, got {type(value).__name__}"
-            return None if ge is None or value >= ge else f"must be >= {ge}, got {value}"
+            if ge is not None and value < ge:
+                return f"must be >= {ge}, got {value}"
+            return None if le is None or value <= le else f"must be <= {le}, got {value}"
         case Real():
             number = isinstance(value, float | int) and not isinstance(value, bool)
             ok = number or (isinstance(value, str) and value in NONFINITE_BY_NAME)

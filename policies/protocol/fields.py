@@ -15,9 +15,10 @@ from functools import cached_property
 @dataclass(frozen=True)
 class Integer:
     """A whole number (a bool is not one, nor is a float with no fraction), at least ``ge``
-    (no bound when None)."""
+    and at most ``le`` (no bound when None)."""
 
     ge: int | None = 0
+    le: int | None = None
 
 
 @dataclass(frozen=True)

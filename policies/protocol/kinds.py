@@ -32,7 +32,18 @@ from policies.protocol.fields import (
     Text,
 )
 
-COUNT = Integer()
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# A count stored in a 32-bit column (steps, attempts, ids); one stored in a 64-bit column
+# (tokens, consumed examples, sequence numbers, sizes). Past them a record is refused by name
+# instead of failing at insert.
+COUNT = Integer(ge=0, le=INT32_MAX)
+WIDE_COUNT = Integer(ge=0, le=INT64_MAX)
+RANK_LIMIT = 2**20 - 1
+"""Ranks and parallel coordinates below 1,048,576, 64 times the largest job runhealth is sized
+for (16,384 ranks): memory the engine keeps per rank is bounded by it whatever a record says
+(a rank of 2^31 once made a vector of that length)."""
+RANK = Integer(ge=0, le=RANK_LIMIT)
 REAL = Real()
 NAME = Text(max_length=200, min_length=1)
 # A device as NVML or sysfs names it ("GPU-" and a UUID: 40 characters; a MIG instance or an HCA
@@ -40,7 +51,7 @@ NAME = Text(max_length=200, min_length=1)
 DEVICE_ID = Text(max_length=100, min_length=1)
 INCARNATION_ID = Text(max_length=64, min_length=1)  # a UUID, or a name the launcher gives
 PATH = Text(max_length=1000, min_length=1)
-SAMPLE_ID = Either((Integer(ge=None), Text(max_length=200)))
+SAMPLE_ID = Either((Integer(ge=-INT64_MAX - 1, le=INT64_MAX), Text(max_length=200)))
 SAMPLE_ID_LIMIT = 100_000
 """Sample ids per step record: the hook keeps fewer by default (``HookConfig.max_sample_ids``)."""
 
@@ -49,20 +60,20 @@ STEP = Structure(
     "One rank's accumulation window.",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("attempt", COUNT, required=True),
         Field("step", COUNT, required=True),
         Field("time", REAL, required=True),
-        Field("consumed", COUNT),
+        Field("consumed", WIDE_COUNT),
         Field("node", NAME),
         Field("device_uuid", DEVICE_ID),
-        Field("dp_rank", COUNT),
-        Field("tp_rank", COUNT),
-        Field("pp_rank", COUNT),
-        Field("cp_rank", COUNT),
+        Field("dp_rank", RANK),
+        Field("tp_rank", RANK),
+        Field("pp_rank", RANK),
+        Field("cp_rank", RANK),
         Field("microbatches", COUNT),
         Field("sample_ids", ListOf(SAMPLE_ID, max_length=SAMPLE_ID_LIMIT)),
-        Field("tokens", COUNT),
+        Field("tokens", WIDE_COUNT),
         Field("loss_sum", REAL),
         Field("reported_loss", REAL),
         Field("grad_norm", REAL),
@@ -86,7 +97,7 @@ HEARTBEAT = Structure(
     "A rank's phase and progress, from the hook's sender thread (it runs while training is stuck).",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("phase", Text(max_length=32, min_length=1), required=True),
         Field("phase_since", REAL, required=True),
         Field("time", REAL, required=True),
@@ -104,7 +115,7 @@ RUN_START = Structure(
     (
         Field("incarnation", INCARNATION_ID, required=True),
         Field("time", REAL, required=True),
-        Field("world_size", Integer(ge=1), required=True),
+        Field("world_size", Integer(ge=1, le=RANK_LIMIT + 1), required=True),
         Field("layout", Document()),
         Field("config", Document()),
     ),
@@ -130,10 +141,10 @@ DEVICE_SAMPLE = Structure(
     (
         Field("node", NAME, required=True),
         Field("device_uuid", DEVICE_ID, required=True),
-        Field("seq", COUNT, required=True),
+        Field("seq", WIDE_COUNT, required=True),
         Field("time", REAL, required=True),
-        Field("rank", COUNT),
-        Field("clock_event_reasons", COUNT),
+        Field("rank", RANK),
+        Field("clock_event_reasons", WIDE_COUNT),
         Field("sm_clock_mhz", REAL),
         Field("mem_clock_mhz", REAL),
         Field("power_w", REAL),
@@ -153,7 +164,7 @@ LINK_SAMPLE = Structure(
         Field("node", NAME, required=True),
         Field("device", DEVICE_ID, required=True),
         Field("port", COUNT, required=True),
-        Field("seq", COUNT, required=True),
+        Field("seq", WIDE_COUNT, required=True),
         Field("time", REAL, required=True),
         Field("state", Text(max_length=32)),
         Field("counters", Document()),
@@ -168,7 +179,7 @@ MANIFEST_FILE = Structure(
     "One file of a checkpoint: its path, size and content hash.",
     (
         Field("path", PATH, required=True),
-        Field("size", COUNT, required=True),
+        Field("size", WIDE_COUNT, required=True),
         Field("sha256", Text(pattern=r"^[0-9a-f]{64}$"), required=True),
     ),
 )
@@ -178,7 +189,7 @@ MANIFEST = Structure(
     "What a checkpoint holds, as written beside it (``collectors.checkpoints.build_manifest``).",
     (
         Field("step", COUNT, required=True),
-        Field("consumed", COUNT),
+        Field("consumed", WIDE_COUNT),
         Field("files", ListOf(Nested(MANIFEST_FILE)), required=True),
     ),
 )
@@ -191,11 +202,11 @@ CHECKPOINT = Structure(
     "A committed checkpoint, as the trainer reports it.",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, default=0),
+        Field("rank", RANK, default=0),
         Field("step", COUNT, required=True),
         Field("path", PATH, required=True),
         Field("time", REAL, required=True),
-        Field("consumed", COUNT),
+        Field("consumed", WIDE_COUNT),
         Field("manifest", Nested(MANIFEST)),
         Field("tags", ListOf(Text(max_length=64))),
         Field("metrics", MapOf(REAL)),
@@ -216,7 +227,7 @@ RESUME = Structure(
     "What a restart restored on one rank (``collectors.restore``).",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("time", REAL, required=True),
         Field("restored", Document(), required=True),
         Field("checkpoint_path", Text(max_length=1000)),
@@ -231,7 +242,7 @@ STACK_DUMP = Structure(
     "All Python thread stacks of one rank, sent on a ``dump_stacks`` directive.",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("time", REAL, required=True),
         Field("stacks", Text(max_length=4_000_000), required=True),
         Field("directive_id", COUNT),
@@ -247,7 +258,7 @@ DIRECTIVE_ACK = Structure(
     (
         Field("directive_id", COUNT, required=True),
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("time", REAL, required=True),
         Field("status", Choice(("done", "missed", "failed")), required=True),
         Field("step", COUNT),
@@ -274,7 +285,7 @@ CANARY_RESULT = Structure(
     "One device's canary suite run at one step (and its immediate re-run, if it missed).",
     (
         Field("incarnation", INCARNATION_ID, required=True),
-        Field("rank", COUNT, required=True),
+        Field("rank", RANK, required=True),
         Field("step", COUNT, required=True),
         Field("time", REAL, required=True),
         Field("stack", Document(), required=True),
