@@ -23,7 +23,7 @@ from collectors.embedded import EmbeddedService, Endpoint, store_path
 from collectors.layout import Identity
 from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, Transport
-from collectors.spool import Spool
+from collectors.spool import MemorySpool, Spool
 from collectors.transport import Delivery, HttpTransport, Outcome
 from collectors.window import prepare_batch
 from collectors.wire import Record
@@ -147,7 +147,7 @@ def build_sender(
         transport = HttpTransport(
             replace(config.transport, url=destination.url, token=destination.token, run=ids.run)
         )
-    spool = Spool(config.spool, ids.run, spool_name(identity, ids.incarnation), counters)
+    spool = open_spool(config, ids.run, spool_name(identity, ids.incarnation), counters)
     return Sender(
         config.sender,
         transport,
@@ -158,6 +158,22 @@ def build_sender(
         directives=directives,
         prepare=prepare_batch,
     )
+
+
+def open_spool(config: RunHealthConfig, run: str, name: str, counters: Counters) -> Spool | MemorySpool:
+    """The spool on disk, or, when its directory cannot be written, one in memory (said once:
+    the records are sent directly, and what the service cannot take waits in memory)."""
+    try:
+        return Spool(config.spool, run, name, counters)
+    except OSError as exc:
+        log.error(
+            "runhealth: the spool directory %s cannot be written (%s); sending directly, keeping "
+            "at most %d MiB of undelivered records in memory (lost if this process dies)",
+            config.spool.directory,
+            exc,
+            config.spool.max_bytes // (1024 * 1024),
+        )
+        return MemorySpool(config.spool, run, name, counters)
 
 
 def spool_name(identity: Identity, incarnation: str) -> str:

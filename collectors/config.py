@@ -8,6 +8,7 @@ The environment is read once, at the edge (``RunHealthConfig.from_environ``, thr
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -158,11 +159,17 @@ def default_run_name(environ: Mapping[str, str], now: float) -> str:
     start time. Only rank 0's proposal is used (it is broadcast)."""
     elastic = text(environ, "TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
-        return f"run-{elastic}"
+        return run_name_from(f"run-{elastic}")
     slurm = text(environ, "SLURM_JOB_ID")
     if slurm:
-        return f"slurm-{slurm}"
+        return run_name_from(f"slurm-{slurm}")
     return "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+
+
+def run_name_from(text: str) -> str:
+    """``text`` as a run name the service takes (``policies.protocol.RUN_NAME``): a launcher's
+    job id may hold characters a name may not (a slash, a space)."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", text)[:200]
 
 
 def _flight_recorder_on(environ: Mapping[str, str]) -> bool:

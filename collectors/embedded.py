@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from collectors.transport import post_json
 
@@ -224,6 +225,11 @@ class EmbeddedService:
         self._host = host
         command = [
             sys.executable,
+            # Safe path mode (Python 3.11+): without it ``-c`` puts the trainer's working
+            # directory first on sys.path, and its own ``monitor/``, ``policies/`` or
+            # ``migrations/`` folder would be imported instead of runhealth's. Unlike ``-I`` it
+            # keeps the PYTHON* variables and the user site the trainer's environment relies on.
+            "-P",
             "-c",
             CHILD_PROGRAM,
             str(os.getpid()),
@@ -265,7 +271,9 @@ class EmbeddedService:
         earlier start still sending with the old one is refused."""
         status, body = post_json(self.url, "/v1/runs", {"name": run}, admin, timeout_s=30.0)
         if status == 409:
-            status, body = post_json(self.url, f"/v1/runs/{run}/token", {}, admin, timeout_s=30.0)
+            status, body = post_json(
+                self.url, f"/v1/runs/{quote(run, safe='')}/token", {}, admin, timeout_s=30.0
+            )
         if status not in (200, 201):
             raise EmbeddedError(f"creating run {run!r} failed: {status} {body[:500]!r}")
         return str(json.loads(body)["token"])

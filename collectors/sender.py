@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from collectors.counters import Counters
-from collectors.spool import Spool
+from collectors.spool import MemorySpool, Spool
 from collectors.transport import Delivery, Outcome
 from collectors.wire import Draft, Record
 
@@ -81,7 +81,7 @@ class Sender:
         self,
         config: SenderConfig,
         transport: Transport,
-        spool: Spool,
+        spool: Spool | MemorySpool,
         counters: Counters,
         *,
         heartbeat: Callable[[], Record | None] = lambda: None,

@@ -262,3 +262,67 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+class MemorySpool:
+    """Where batches wait when the spool directory cannot be written (read-only, full, no
+    permission): in memory, up to the spool's byte limit, replayed in order like the file
+    spool; past the limit they are dropped and counted. A dead letter is logged with its
+    reason and counted. Nothing here outlives the process: ``close`` counts what was left as
+    dropped. The hook says once, at attach, that it runs this way (``attach.build_sender``)."""
+
+    def __init__(self, config: SpoolConfig, run: str, name: str, counters: Counters) -> None:
+        self._config = config
+        self._counters = counters
+        self.directory = Path(config.directory) / safe_name(run)
+        self.path = self.directory / f"{safe_name(name)}{SPOOL_SUFFIX}"
+        self.dead_letter_path = self.directory / f"{safe_name(name)}{DEAD_SUFFIX}"
+        self._batches: deque[tuple[list[Record], int]] = deque()
+        self._bytes = 0
+
+    def backlog(self) -> bool:
+        return bool(self._batches)
+
+    def append(self, records: Sequence[Record]) -> bool:
+        size = len(encode_line({"records": list(records)}))
+        if self._bytes + size > self._config.max_bytes:
+            self._counters.add("dropped", len(records))
+            log.error(
+                "the in-memory spool is at its %d-byte limit: dropped %d records",
+                self._config.max_bytes,
+                len(records),
+            )
+            return False
+        self._batches.append((list(records), size))
+        self._bytes += size
+        self._counters.add("spooled", len(records))
+        return True
+
+    def head(self) -> SpooledBatch | None:
+        if not self._batches:
+            return None
+        return SpooledBatch(None, self._batches[0][0], 0)  # type: ignore[arg-type]
+
+    def advance(self, batch: SpooledBatch) -> None:
+        if self._batches and self._batches[0][0] is batch.records:
+            _, size = self._batches.popleft()
+            self._bytes -= size
+
+    def dead_letter(self, records: Sequence[Record], reason: str, status: int | None) -> None:
+        self._counters.add("dead_lettered", len(records))
+        log.error(
+            "runhealth: %d records refused by the service (%s %s); the spool directory cannot be "
+            "written, so they are not kept: %s",
+            len(records),
+            status,
+            reason,
+            encode_line({"records": list(records)[:3]}).decode()[:2000],
+        )
+
+    def close(self) -> None:
+        left = sum(len(records) for records, _ in self._batches)
+        if left:
+            self._counters.add("dropped", left)
+            log.error("runhealth: %d records were never delivered and had no spool to wait in", left)
+        self._batches.clear()
+        self._bytes = 0

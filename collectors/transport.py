@@ -19,10 +19,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from collectors.http11 import HttpConnection
 from collectors.wire import Record, encode_batch
+from policies.protocol import RUN_NAME, value_problem
 
 RETRY_STATUSES = frozenset({408, 429})
 # The service refuses the sender (a wrong token, a run it does not know), not the batch: every
@@ -53,6 +54,9 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"RUNHEALTH_URL must be an http(s) URL, got {self.url!r}")
+        problem = None if self.run is None else value_problem(RUN_NAME, self.run)
+        if problem is not None:  # the service would refuse every batch of it
+            raise ValueError(f"RUNHEALTH_RUN {self.run!r} is not a run name the service takes: {problem}")
 
 
 class Outcome(enum.Enum):
@@ -125,7 +129,7 @@ class HttpTransport:
             raise ValueError("HttpTransport needs a URL and a run")
         self._connection = Connection(config.url, config.timeout_s)
         self._poll_connection = Connection(config.url, config.timeout_s)
-        self._path = f"/v1/runs/{config.run}/records"
+        self._path = f"/v1/runs/{quote(str(config.run), safe='')}/records"
         self._post_path = self._path  # with the rank's question once asked to carry it
         self._headers = {
             "authorization": f"Bearer {config.token or ''}",

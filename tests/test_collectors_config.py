@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from collectors import RunHealth, RunHealthConfig
-from collectors.config import ConfigError, HookConfig
+from collectors.config import ConfigError, HookConfig, default_run_name
 from collectors.layout import data_parallel, discover_identity
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.transport import TransportConfig
+from policies.protocol import RUN_NAME, value_problem
 from collectors.variables import FLAT_NAMES
 from monitor.settings import service_config
 from monitor.settings.layout import TRAINER_SECTIONS
@@ -172,3 +173,17 @@ def test_a_config_argument_no_longer_drops_the_service_from_the_environment(tmp_
         assert rh.embedded_pid is None and rh.counters["sent"] == 5  # run start, 3 steps, finish
         assert [row["attempt"] for row in step_rows(serve.db, "merged")] == [1, 2, 3]
     assert not (tmp_path / "embedded.db").exists()
+
+
+@pytest.mark.parametrize("name", ["a b", "../x", "a/b", "a?b", 'say"hi"', "-lead"])
+def test_a_run_name_the_service_would_refuse_is_a_config_error_at_once(name: str) -> None:
+    """Such names were spooled forever or dead-lettered batch after batch: the API refuses them
+    (and ``runhealth runs create`` too, from the same rule)."""
+    with pytest.raises(ConfigError, match="not a run name"):
+        RunHealthConfig.from_environ({"RUNHEALTH_RUN": name, "RUNHEALTH_URL": "http://127.0.0.1:1"})
+
+
+def test_a_launchers_job_id_becomes_a_run_name_the_service_takes() -> None:
+    assert default_run_name({"TORCHELASTIC_RUN_ID": "job/7 retry"}, 0.0) == "run-job-7-retry"
+    assert default_run_name({"SLURM_JOB_ID": "123_4"}, 0.0) == "slurm-123_4"
+    assert value_problem(RUN_NAME, default_run_name({"TORCHELASTIC_RUN_ID": "x" * 500}, 0.0)) is None

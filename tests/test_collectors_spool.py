@@ -4,12 +4,19 @@ limit, dead letters, and adoption of files a finished or crashed process left be
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from collectors import RunHealth, RunHealthConfig
 from collectors.counters import Counters
+from collectors.sender import SenderConfig
 from collectors.spool import Spool, SpoolConfig, SpoolFile
+from collectors.transport import Delivery, Outcome, TransportConfig
+from collectors.wire import Record
+from tests.collectors_support import RecordingTransport
+from tests.support import require_module
 
 
 def records(start: int, count: int) -> list[dict[str, object]]:
@@ -127,3 +134,44 @@ def test_configuration_is_validated() -> None:
         SpoolConfig(max_bytes=10)
     with pytest.raises(ValueError, match="directory"):
         SpoolConfig(directory="")
+
+
+class Outage(RecordingTransport):
+    """Refuses every batch (the service is down) until ``up`` is set, then keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = False
+
+    def post(self, records: Sequence[Record]) -> Delivery:
+        if not self.up:
+            return Delivery(Outcome.RETRY, None, "connection refused")
+        return super().post(records)
+
+
+def test_a_spool_directory_that_cannot_be_written_keeps_the_records_in_memory_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spool's parent is a file (as unwritable as a read-only mount, even for root): the
+    hook attaches anyway, sends directly, and what the service could not take while it was
+    down waits in memory and is delivered once it is back; nothing is dropped."""
+    require_module("torch")
+    (tmp_path / "not-a-dir").write_text("a file where the spool directory should be")
+    transport = Outage()
+    config = RunHealthConfig(
+        transport=TransportConfig(run="memory-spool"),
+        spool=SpoolConfig(directory=str(tmp_path / "not-a-dir" / "spool")),
+        sender=SenderConfig(flush_interval_s=0.05, heartbeat_interval_s=60.0, retry_initial_s=0.05),
+    )
+    with RunHealth(config=config, transport=transport, environ={}) as rh:
+        for window in range(250):
+            rh.window_start(sample_ids=[window])
+            rh.loss(1.0, tokens=4)
+            rh.window_end()
+            if window == 150:
+                transport.up = True
+    steps = transport.records("step")
+    assert sorted(s["attempt"] for s in steps) == list(range(1, 251))
+    assert rh.counters["dropped"] == 0 and rh.counters["hook_errors"] == 0
+    said = [r for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(said) == 1 and "sending directly" in said[0].getMessage()

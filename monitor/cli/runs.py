@@ -7,6 +7,7 @@ import typer
 from monitor.cli.options import DbOption, JsonOption, open_engine, reading
 from monitor.cli.render import UserError, fmt_time, out, print_json, table
 from monitor.store import queries
+from policies.protocol import RUN_NAME, value_problem
 
 
 def runs(ctx: typer.Context, db: DbOption = None, as_json: JsonOption = False) -> None:
@@ -39,6 +40,9 @@ def runs(ctx: typer.Context, db: DbOption = None, as_json: JsonOption = False) -
 
 def runs_create(name: str, db: DbOption = None, as_json: JsonOption = False) -> None:
     """Create a run and print its ingest token (shown once; only a digest is stored)."""
+    problem = value_problem(RUN_NAME, name)
+    if problem is not None:  # the API, and so the hook, would refuse it
+        raise UserError(f"{name!r} is not a run name: {problem}")
     engine = open_engine(db)
     try:
         with engine.begin() as connection:

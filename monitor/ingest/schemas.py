@@ -108,7 +108,7 @@ class BatchIn(BaseModel):
 class RunCreateIn(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+    name: annotation(protocol.RUN_NAME)  # type: ignore[valid-type]
 
 
 class DirectiveCreateIn(BaseModel):

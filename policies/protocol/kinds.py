@@ -46,6 +46,9 @@ for (16,384 ranks): memory the engine keeps per rank is bounded by it whatever a
 RANK = Integer(ge=0, le=RANK_LIMIT)
 REAL = Real()
 NAME = Text(max_length=200, min_length=1)
+RUN_NAME = Text(max_length=200, min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+"""A run's name: it is a path segment of the API (``/v1/runs/{run}/...``) and a file name in
+the spool, so one rule for the service, the CLI and the hook: a name one accepts, all do."""
 # A device as NVML or sysfs names it ("GPU-" and a UUID: 40 characters; a MIG instance or an HCA
 # name is shorter than 100). The store keeps 100, so a longer one is refused here, not at insert.
 DEVICE_ID = Text(max_length=100, min_length=1)
