@@ -24,6 +24,7 @@ from monitor.observe.stages import StageSpans
 from monitor.observe.tracing import EVALUATE, INGEST, Tracing
 from monitor.recovery.decisions import Decisions
 from monitor.store import queries
+from monitor.store.durability import StoreFile, StoreUnavailable
 from monitor.store.tokens import digest_matches
 
 log = logging.getLogger("runhealth.service")
@@ -40,6 +41,7 @@ class Service:
         self.engine = engine
         self.config = config
         self.clock = clock
+        self.store_file = StoreFile.of(engine)
         self.policies = PolicyEngine(engine, config.engine, clock)
         self.fleet = FleetWatch(engine, config.devices, self.policies.incidents, self.policies.last_step)
         self.hangs = HangWatch(engine, config.engine.hangs, self.policies.incidents, clock)
@@ -86,9 +88,14 @@ class Service:
         return result
 
     def _ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
-        with self._write_lock, self.engine.begin() as connection:
-            result = ingest_batch(connection, run_id, records, self.clock())
-            late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
+        self._check_store()
+        try:
+            with self._write_lock, self.engine.begin() as connection:
+                result = ingest_batch(connection, run_id, records, self.clock())
+                late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
+        except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
+            raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
+        self._check_store()  # deleted while this batch was written: it is not acknowledged
         self.count(run, "accepted", result.accepted)
         self.count(run, "duplicates", result.duplicates)
         self.count(run, "late", len(late))
@@ -145,9 +152,14 @@ class Service:
             return self.fleet.compare_peers()
 
     def healthy(self) -> dict[str, Any]:
+        self._check_store()
         with self.engine.connect() as connection:
             connection.execute(sa.text("SELECT 1"))
         return {"status": "ok"}
+
+    def _check_store(self) -> None:
+        if self.store_file is not None:
+            self.store_file.check()
 
 
 __all__ = ["Service"]

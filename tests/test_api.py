@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
@@ -626,3 +627,44 @@ def test_service_config_reads_hang_timing_from_the_environment() -> None:
     assert service_config({}).engine == ServiceConfig().engine
     with pytest.raises(ConfigError, match="RUNHEALTH_HANG_MIN_TIMEOUT_S must be a number"):
         service_config({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "soon"})
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "steps?limit=-1",
+        "steps?limit=0",
+        "steps?limit=1180591620717411303424",
+        "steps?start=-5",
+        "directives?incarnation=i&rank=1180591620717411303424",
+        "directives?incarnation=i&rank=-1",
+    ],
+)
+def test_list_parameters_out_of_their_range_are_422_naming_them(
+    client: TestClient, run: RunHandle, path: str
+) -> None:
+    """``limit=-1`` lifted the cap; integers past the store's were 500s."""
+    response = client.get(f"/v1/runs/{run.name}/{path}", headers=run.headers)
+    assert response.status_code == 422, response.text
+    body = strict_json(response)
+    assert body["error"] == "invalid" and path.split("?")[1].split("=")[-2].split("&")[-1] in body["message"]
+
+
+@pytest.mark.parametrize("fault", ["deleted", "replaced"])
+def test_a_store_file_deleted_or_replaced_under_the_service_is_503_not_an_acknowledgement(
+    client: TestClient, store: Engine, run: RunHandle, tmp_path: Path, fault: str
+) -> None:
+    """SQLite writes on into a deleted file's inode: the batches were answered 200 and were
+    gone at the next start, with /healthz saying ok throughout."""
+    assert post(client, run, batch(*steps(2))).status_code == 200
+    path = tmp_path / "store.db"
+    if fault == "deleted":
+        path.unlink()
+    else:
+        path.rename(tmp_path / "moved.db")
+        path.write_bytes((tmp_path / "moved.db").read_bytes())
+    response = post(client, run, batch(step_record(attempt=2)))
+    assert response.status_code == 503 and strict_json(response)["error"] == "store_unavailable"
+    assert fault in strict_json(response)["message"]
+    health = client.get("/healthz")
+    assert health.status_code == 503 and fault in health.json()["message"]

@@ -158,3 +158,27 @@ def test_unreadable_inputs_are_clear_errors(tmp_path: Path) -> None:
         parse_mapping(["lm_loss"])
     with pytest.raises(BacktestError, match="not a field"):
         parse_mapping(["lm_loss=lossy"])
+
+
+def test_bare_nan_in_jsonl_as_python_writes_it_is_a_nan(tmp_path: Path) -> None:
+    """``json.dumps(float("nan"))`` writes ``NaN``, which is not JSON: polars refused the file."""
+    rows = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in range(1, 11)]
+    rows += [
+        {"step": 11, "loss": float("nan"), "grad_norm": 1.0},
+        {"step": 12, "loss": 2.0, "grad_norm": None},
+    ]
+    path = tmp_path / "nan.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "NaN" in path.read_text()
+    report = run_file(path)
+    assert report["steps"] == 12
+    (finding,) = report["findings"]
+    assert (finding["step"], finding["signal"], finding["kind"]) == (11, "loss", "nonfinite")
+    assert math.isnan(finding["value"])
+
+
+def test_a_jsonl_line_that_is_not_json_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": \n')
+    with pytest.raises(BacktestError, match="line 2"):
+        run_file(path)

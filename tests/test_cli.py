@@ -1,13 +1,16 @@
 """The command line: listings with --json, filters, export, and one-line user errors."""
 
+import io
 import json
 import math
+import sys
 import uuid
 from pathlib import Path
 
 import polars as pl
 import pytest
 
+from monitor.api.server import prepare_store
 from monitor.config import ServiceConfig
 from monitor.ingest.schemas import BatchIn
 from monitor.service import Service
@@ -103,6 +106,8 @@ def test_runs_lists_and_creates(store: Path, capsys: pytest.CaptureFixture[str])
     assert code == 0 and json.loads(out)["token"].startswith("rh_run_")
     code, _, err = cli_result(capsys, "runs", "create", "second", "--db", str(store))
     assert code == 2 and err.count("\n") == 1 and "already exists" in err
+    code, _, err = cli_result(capsys, "runs", "create", "../x y", "--db", str(store))
+    assert code == 2 and err.count("\n") == 1 and "not a run name" in err  # the API would refuse it
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
@@ -194,3 +199,72 @@ def test_user_errors_are_one_line_and_exit_2(
 def test_usage_errors_exit_nonzero_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli_result(capsys, "incidents", "--no-such-flag")
     assert code != 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["incidents"],
+        ["incident", "1"],
+        ["proposals"],
+        ["checkpoints", "cli-run"],
+        ["runs"],
+        ["audit", "verify"],
+        ["export", "cli-run", "--out", "{tmp}/x.csv"],
+        ["gate", "cli-run"],
+        ["db", "current"],
+        ["db", "downgrade", "base", "--yes"],
+    ],
+)
+def test_a_mistyped_store_on_a_reading_command_is_not_created(
+    tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    typo = tmp_path / "typo" / "runheath.db"
+    code, out, err = cli_result(capsys, *[a.format(tmp=tmp_path) for a in args], "--db", str(typo))
+    assert (code, out, err) == (2, "", f"runhealth: error: no store at {typo}\n")
+    assert not typo.exists() and not typo.parent.exists()
+
+
+def test_db_upgrade_and_serve_still_create_a_new_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new = tmp_path / "new" / "s.db"
+    code, out, _ = cli_result(capsys, "db", "upgrade", "--db", str(new))
+    assert code == 0 and out.startswith("store at revision ") and new.exists()
+    service = prepare_store(ServiceConfig(db=str(tmp_path / "served.db")), {})
+    service.engine.dispose()
+    assert (tmp_path / "served.db").exists()
+
+
+def test_db_downgrade_without_yes_and_without_a_terminal_is_refused(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli_result(capsys, "db", "downgrade", "base", "--db", str(store))
+    assert code == 2 and out == ""
+    assert (
+        err.startswith("runhealth: error: db downgrade drops data")
+        and "--yes" in err
+        and err.count("\n") == 1
+    )
+    assert cli_result(capsys, "runs", "--db", str(store), "--json")[0] == 0  # nothing was dropped
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("answer", "code"), [("n\n", 2), ("y\n", 0)])
+def test_db_downgrade_asks_on_a_terminal(
+    store: Path, answer: str, code: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", Terminal(answer))
+    done, out, err = cli_result(capsys, "db", "downgrade", "base", "--db", str(store))
+    assert done == code and "Downgrade" in out, (out, err)
+    current = cli_result(capsys, "db", "current", "--db", str(store))[1]
+    assert current.startswith("current None" if code == 0 else "current 0"), current
+
+
+def test_db_downgrade_with_yes_does_not_ask(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli_result(capsys, "db", "downgrade", "base", "--yes", "--db", str(store))
+    assert (code, out) == (0, "store at revision None\n")

@@ -4,13 +4,18 @@ reaches every rank through the job's c10d store (``collectors/rendezvous.py``, o
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from collectors.embedded import EmbeddedConfig, Endpoint, listen_host, store_path
+from collectors.embedded import EmbeddedConfig, EmbeddedService, Endpoint, listen_host, store_path
 from collectors.rendezvous import Rendezvous
+from monitor.__main__ import shadowing_packages
 from tests.support import require_module
 
 
@@ -78,3 +83,51 @@ def test_ranks_done_are_counted_until_the_world_size() -> None:
     assert not rendezvous.finished(4)
     rendezvous.done()
     assert rendezvous.finished(4)
+
+
+def shadowing_workdir(path: Path) -> Path:
+    """A trainer's working directory with its own ``monitor``, ``policies`` and ``migrations``
+    packages, each failing on import."""
+    for name in ("monitor", "policies", "migrations"):
+        (path / name).mkdir(parents=True)
+        (path / name / "__init__.py").write_text(
+            f"raise ImportError('the trainer own {name} was imported')\n"
+        )
+    return path
+
+
+def test_the_embedded_service_starts_in_a_directory_with_its_own_monitor_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child runs with ``python -P``: the trainer's working directory is not on its path."""
+    workdir = shadowing_workdir(tmp_path / "trainer")
+    monkeypatch.chdir(workdir)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("RUNHEALTH_", "PYTHONPATH"))}
+    service = EmbeddedService(
+        EmbeddedConfig(db=str(tmp_path / "store" / "r.db"), start_timeout_s=60.0), environ
+    )
+    try:
+        endpoint = service.start("shadowed")
+        log = service.log_path.read_text()
+    finally:
+        service.stop(None)  # by its PID
+    assert endpoint.token.startswith("rh_run") and "trainer own" not in log
+
+
+def test_python_m_monitor_warns_of_packages_the_working_directory_shadows(tmp_path: Path) -> None:
+    (tmp_path / "policies").mkdir()  # a folder, not a package: runhealth's own still wins
+    done = subprocess.run(
+        [sys.executable, "-m", "monitor", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert (
+        warning.startswith("runhealth: warning: policies/ in the working directory")
+        and "python -P" in warning
+    )
+    assert shadowing_packages(
+        [str(tmp_path), *sys.path[1:]], tmp_path, Path(__file__).resolve().parent.parent
+    ) == ["policies"]
+    own_root = Path(__file__).resolve().parent.parent
+    assert shadowing_packages([str(own_root)], own_root, own_root) == []  # runhealth's own checkout
+    assert shadowing_packages(["/usr/bin"], tmp_path, own_root) == []  # the ``runhealth`` script

@@ -3,6 +3,9 @@ on a network filesystem."""
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,57 @@ def test_cli_store_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[st
     assert captured.out == ""
     assert captured.err.count("\n") == 1
     assert captured.err.startswith("runhealth: error: not a database URL")
+
+
+def test_a_new_sqlite_store_and_its_wal_are_readable_by_the_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "private" / "s.db"
+    previous = os.umask(0o022)  # the usual umask: SQLite alone created the files 0644
+    try:
+        engine = create_store_engine(URL.create("sqlite", database=str(path)))
+        with engine.begin() as connection:
+            connection.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+            connection.exec_driver_sql("INSERT INTO t VALUES (1)")
+            created = [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in created}
+        engine.dispose()
+    finally:
+        os.umask(previous)
+    assert len(created) == 3 and set(modes.values()) == {0o600}, modes
+
+
+def test_an_existing_store_file_keeps_its_mode(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    path.touch(mode=0o640)
+    path.chmod(0o640)
+    create_store_engine(URL.create("sqlite", database=str(path))).dispose()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_a_store_that_must_exist_is_not_created(tmp_path: Path) -> None:
+    path = tmp_path / "typo" / "s.db"
+    with pytest.raises(StoreError, match=f"^no store at {path}$"):
+        create_store_engine(URL.create("sqlite", database=str(path)), must_exist=True)
+    assert not path.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (
+            "postgresql+pg8000://u@db.example/runhealth",
+            "'postgresql+pg8000' (postgresql+pg8000://u@db.example/runhealth) is not installed",
+        ),
+        ("foo://x", "unknown database type 'foo'"),
+        ("sqlite+nodriver:///x.db", "unknown database type 'sqlite+nodriver'"),
+    ],
+)
+def test_a_driver_or_dialect_problem_is_one_store_error(
+    url: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(StoreError, match=re.escape(says)):
+        create_store_engine(sa.make_url(url))
+    for args in (["runs", "--db", url], ["db", "upgrade", "--db", url], ["db", "current", "--db", url]):
+        assert run_cli(args) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("runhealth: error: ") and captured.err.count("\n") == 1, captured.err
+        assert says in captured.err and "Traceback" not in captured.err

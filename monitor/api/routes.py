@@ -10,7 +10,8 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -23,7 +24,9 @@ from monitor.observe.metrics import metrics_registry
 from monitor.recovery import decisions, directives
 from monitor.service import Service
 from monitor.store import operators, queries
+from monitor.store.durability import StoreUnavailable
 from monitor.store.floats import dumps
+from policies import protocol
 
 BATCH = TypeAdapter(BatchIn)
 RUN_CREATE = TypeAdapter(RunCreateIn)
@@ -120,6 +123,13 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
     async def api_error(_request: Request, exc: ApiError) -> Response:
         return json_response({"error": exc.error, "message": exc.message, **exc.extra}, exc.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> Response:
+        """A query parameter out of its range: the API's own error shape, naming it."""
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return json_response({"error": "invalid", "message": f"{where}: {first.get('msg')}"}, 422)
+
     @app.exception_handler(queries.NotFound)
     async def not_found(_request: Request, exc: queries.NotFound) -> Response:
         return json_response({"error": "not_found", "message": str(exc)}, 404)
@@ -214,6 +224,8 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
             service.count(run, "rejected")
             problem = {"index": exc.index, "field": exc.field, "message": str(exc)}
             raise ApiError(422, "invalid_record", str(exc), problems=[problem]) from exc
+        except StoreUnavailable as exc:  # not acknowledged: the hook keeps it and sends it again
+            raise ApiError(503, "store_unavailable", str(exc)) from exc
         except ApiError:
             service.count(run, "rejected")
             raise
@@ -230,13 +242,13 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
     def list_steps(
         run: str,
         request: Request,
-        start: int | None = None,
-        end: int | None = None,
-        limit: int = 10_000,
+        start: Annotated[int | None, Query(ge=0, le=protocol.INT32_MAX)] = None,
+        end: Annotated[int | None, Query(ge=0, le=protocol.INT32_MAX)] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
     ) -> Response:
         run_id = require_run(request, run)
         with service.engine.connect() as connection:
-            steps = queries.list_steps(connection, run_id, start, end, min(limit, 100_000))
+            steps = queries.list_steps(connection, run_id, start, end, limit)
         return json_response({"run": run, "steps": steps})
 
     @app.get("/v1/runs/{run}/findings")
@@ -246,7 +258,12 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
             return json_response({"run": run, "findings": queries.list_findings(connection, run_id)})
 
     @app.get("/v1/runs/{run}/directives")
-    def list_directives(run: str, request: Request, incarnation: str, rank: int) -> Response:
+    def list_directives(
+        run: str,
+        request: Request,
+        incarnation: Annotated[str, Query(min_length=1, max_length=64)],
+        rank: Annotated[int, Query(ge=0, le=protocol.RANK_LIMIT)],
+    ) -> Response:
         """What this rank of this incarnation has still to act on (the hooks poll this)."""
         run_id = require_run(request, run)
         return json_response({"run": run, "directives": pending_directives(run_id, incarnation, rank)})

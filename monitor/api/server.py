@@ -14,9 +14,10 @@ import uvicorn
 
 from monitor.api.routes import create_app
 from monitor.config import ServiceConfig
+from monitor.errors import ConfigError
 from monitor.observe.tracing import Tracing
 from monitor.service import Service
-from monitor.store import migrate
+from monitor.store import audit, migrate
 from monitor.store.db import StoreError, create_store_engine, resolve_url, sqlite_path
 from monitor.store.tokens import new_token
 
@@ -36,15 +37,24 @@ def prepare_store(config: ServiceConfig, environ: Mapping[str, str]) -> Service:
                 "schema: run `runhealth db upgrade` first"
             )
         migrate.upgrade(engine)
+    audit.attach(engine, environ, check=True)  # a missing or open audit key stops the start here
     # Tracing is off unless the OTEL_* variables configure an exporter.
     return Service(engine, config, tracing=Tracing.from_environ(environ))
 
 
 def admin_token_for(config: ServiceConfig, token_file: Path) -> tuple[ServiceConfig, Path | None]:
-    """Use RUNHEALTH_ADMIN_TOKEN when set; otherwise keep one in a 0600 file."""
+    """Use RUNHEALTH_ADMIN_TOKEN when set; otherwise keep one in a 0600 file. An existing file
+    that others may read (or write) is refused, not used: its token is no secret any more."""
     if config.admin_token is not None:
         return config, None
     if token_file.exists():
+        loose = stat.S_IMODE(token_file.stat().st_mode) & ~0o600
+        if loose:
+            raise ConfigError(
+                f"refusing the admin token file {token_file}: its mode "
+                f"{stat.S_IMODE(token_file.stat().st_mode):04o} lets others read or change it; "
+                f"chmod 600 it (and replace the token if it may have leaked)"
+            )
         token = token_file.read_text().strip()
     else:
         token = new_token("rh_admin")

@@ -14,7 +14,7 @@ import typer
 from sqlalchemy.engine import Engine
 
 from monitor.cli.render import UserError
-from monitor.store import migrate
+from monitor.store import audit, migrate
 from monitor.store.db import create_store_engine, resolve_url
 
 DbOption = Annotated[
@@ -35,8 +35,11 @@ ConfigOption = Annotated[
 ]
 
 
-def open_engine(db: str | None, *, must_be_current: bool = True) -> Engine:
-    engine = create_store_engine(resolve_url(db, os.environ), create_dir=not must_be_current)
+def open_engine(db: str | None, *, must_be_current: bool = True, create: bool = False) -> Engine:
+    """The store ``--db`` names. Only ``create`` (``runhealth db upgrade``) makes a new SQLite
+    file: elsewhere a mistyped path is ``no store at PATH``, not an empty store left behind."""
+    engine = create_store_engine(resolve_url(db, os.environ), create_dir=create, must_exist=not create)
+    audit.attach(engine, os.environ)  # what a command writes to the audit log is keyed too
     if must_be_current and not migrate.is_current(engine):
         raise UserError(
             f"the store {engine.url.render_as_string(hide_password=True)} is not at the current "

@@ -8,6 +8,7 @@ live engine folds step records (``monitor.judge.summaries.fold``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,7 +64,12 @@ def read_table(path: Path) -> pl.DataFrame:
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".ndjson"):
-            frame = pl.read_ndjson(path, infer_schema_length=None)
+            try:
+                frame = pl.read_ndjson(path, infer_schema_length=None)
+            except pl.exceptions.PolarsError:
+                # Python's json writes a NaN as a bare ``NaN`` (and ``Infinity``), which is not
+                # JSON and which polars refuses; the stdlib reads it back as the float it was.
+                frame = read_jsonl_lines(path)
             # JSON numbers arrive typed; text keeps one parsing path for both formats.
             return frame.select(pl.all().cast(pl.String))
         if suffix in (".csv", ".tsv", ".txt"):
@@ -72,6 +78,34 @@ def read_table(path: Path) -> pl.DataFrame:
     except (pl.exceptions.PolarsError, OSError) as exc:
         raise BacktestError(f"cannot read {path}: {exc}") from exc
     raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file")
+
+
+def read_jsonl_lines(path: Path) -> pl.DataFrame:
+    """A JSONL file read line by line with the stdlib ``json``, which takes ``NaN``,
+    ``Infinity`` and ``-Infinity``; every value as text, as ``read_table`` hands columns on."""
+    rows = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise BacktestError(f"cannot read {path}: line {number}: {exc}") from exc
+            if not isinstance(row, dict):
+                raise BacktestError(f"cannot read {path}: line {number} is not a JSON object")
+            rows.append({str(key): _as_text(value) for key, value in row.items()})
+    return pl.DataFrame(rows, schema={key: pl.String for row in rows for key in row})
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return repr(value)  # int, or float: nan, inf and -inf read back as floats
 
 
 def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:

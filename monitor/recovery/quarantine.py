@@ -1,9 +1,15 @@
 """Quarantine actions: a node or device taken out of service through a configured webhook or
 command template (a Slurm drain, a Kubernetes cordon), dry-run unless configured live.
-Every attempt and its result is recorded, and audited by the caller."""
+Every attempt and its result is recorded, and audited by the caller.
+
+The command template is split first and each argument formatted on its own, never through a
+shell: a reason with spaces stays one argument. A node or device name that is not a plain host
+or device name (one starting with ``-`` would be read as a flag) is refused where it is used,
+whatever ingest let through."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from collections.abc import Mapping
@@ -16,6 +22,29 @@ from monitor.recovery.config import ActionConfig
 from monitor.store import models
 
 ACTION = models.table_of(models.Action)
+
+# A host name, a Kubernetes node name, a device index, UUID or PCI address: nothing that
+# starts with ``-`` or holds a space, a quote, a slash, a glob or a shell character.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+
+
+class Refused(ValueError):
+    """A quarantine not carried out: the message says why."""
+
+
+def command_argv(template: str, fields: Mapping[str, str]) -> list[str]:
+    """The command's argv: ``template`` split as a shell would (``shlex``), then each argument
+    formatted with ``fields`` on its own, so no value can add, split or join arguments."""
+    try:
+        return [part.format(**fields) for part in shlex.split(template)]
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise Refused(f"the quarantine command template {template!r} cannot be formatted: {exc!r}") from exc
+
+
+def check_names(node: str | None, device: str | None) -> None:
+    for what, name in (("node", node), ("device", device)):
+        if name and not SAFE_NAME.fullmatch(name):
+            raise Refused(f"{what} name {name!r} is not a plain name ({SAFE_NAME.pattern}); not passed on")
 
 
 def quarantine(
@@ -31,15 +60,26 @@ def quarantine(
     now: float,
 ) -> dict[str, Any]:
     fields = {"node": node or "", "device": device or "", "run": run, "reason": reason}
-    target = f"{node or '?'}/{device}" if device else (node or "?")
-    if config.command:
-        request = " ".join(shlex.quote(part) for part in shlex.split(config.command.format(**fields)))
-    elif config.webhook:
-        request = f"POST {config.webhook} {fields}"
-    else:
-        request = "no quarantine action configured (RUNHEALTH_QUARANTINE_COMMAND or _WEBHOOK)"
+    target = (f"{node or '?'}/{device}" if device else (node or "?"))[:300]  # the column's width
     mode = "live" if config.live and (config.command or config.webhook) else "dry_run"
-    status, result = ("dry_run", {"would_run": request}) if mode == "dry_run" else _carry_out(config, fields)
+    argv: list[str] = []
+    try:
+        if config.command or config.webhook:
+            check_names(node, device)
+        if config.command:
+            argv = command_argv(config.command, fields)
+            request = shlex.join(argv)
+        elif config.webhook:
+            request = f"POST {config.webhook} {fields}"
+        else:
+            request = "no quarantine action configured (RUNHEALTH_QUARANTINE_COMMAND or _WEBHOOK)"
+    except Refused as exc:
+        request, status, result = f"refused: {exc}", "refused", {"refused": str(exc)}
+    else:
+        if mode == "dry_run":
+            status, result = "dry_run", {"would_run": request}
+        else:
+            status, result = _carry_out(config, argv, fields)
     action = {
         "kind": "quarantine",
         "target": target,
@@ -52,11 +92,13 @@ def quarantine(
     return action
 
 
-def _carry_out(config: ActionConfig, fields: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
+def _carry_out(
+    config: ActionConfig, argv: list[str], fields: Mapping[str, str]
+) -> tuple[str, dict[str, Any]]:
     try:
         if config.command:
-            done = subprocess.run(
-                shlex.split(config.command.format(**fields)),
+            done = subprocess.run(  # an argv, never a shell
+                argv,
                 capture_output=True,
                 text=True,
                 timeout=config.timeout_s,

@@ -161,6 +161,8 @@ class StepRecord(Base):
         sa.Column("received_at", Float64(), nullable=False),
         sa.Column("content_hash", sa.String(32), nullable=False),
         sa.UniqueConstraint("run_id", *protocol.STEP.key),
+        # A window's records, as the engine reads them (migration 0010).
+        sa.Index("ix_step_records_window", "run_id", "incarnation", "attempt"),
     )
 
 
@@ -518,7 +520,7 @@ class Action(Base):
 
 
 class AuditEntry(Base):
-    """Append-only, hash-chained: each entry holds the hash of the previous one.
+    """Append-only, hash-chained: each entry holds the hash of the previous one, and is keyed.
 
     ``prev_hash`` is unique, so two writers that read the same tail cannot both append to
     it: one insert fails and retries on the new tail, and the chain never forks.
@@ -537,6 +539,10 @@ class AuditEntry(Base):
     details: Mapped[dict[str, Any]]
     prev_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
     hash: Mapped[str] = mapped_column(sa.String(64))
+    # HMAC-SHA-256 of ``hash`` under the audit key named by ``key_id`` (``monitor.store.audit_keys``);
+    # null for an entry written without a key (before revision 0009, or by a bare engine).
+    key_id: Mapped[str | None] = mapped_column(sa.String(16))
+    mac: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class CanaryResult(Base):
