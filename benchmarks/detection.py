@@ -30,11 +30,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from realcurves import Case, bigscience_cases, clean_controls
+from realcurves import Case, Event, added_cases, bigscience_cases, clean_controls
 from scenarios import Outcome, Scenario, run_corpus, run_scenario
 
 from policies.backtest import backtest_series
 from policies.series import SeriesConfig
+from policies.types import Finding
 
 
 def score_case(case: Case, config: SeriesConfig) -> dict[str, Any]:
@@ -53,6 +54,7 @@ def score_case(case: Case, config: SeriesConfig) -> dict[str, Any]:
         "kind": case.kind,
         "positive": case.positive,
         "split": case.split,
+        "set": case.set,
         "steps": len(steps),
         "false_incidents": false,
         "note": case.note,
@@ -65,6 +67,85 @@ def score_case(case: Case, config: SeriesConfig) -> dict[str, Any]:
             row["delay_steps"] = max(0, first_finding - case.label[0])
             row["delay_rows"] = sum(1 for s in steps if case.label[0] <= s < first_finding)
     return row
+
+
+def score_stream(case: Case, config: SeriesConfig) -> list[dict[str, Any]]:
+    """A stream with several labeled events (``case.events``): one row for the stream (its steps
+    and its false incidents: those with no finding inside a labeled event), then one row per
+    positive event (caught: a finding of that event's incarnation inside its steps). An incident
+    whose findings fall inside a benign (positive 0) event is false."""
+    result = backtest_series(case.points, config)
+
+    def inside(finding: Finding, event: Event) -> bool:
+        same = event.incarnation is None or finding.incarnation == event.incarnation
+        return same and event.lo <= finding.step <= event.hi
+
+    positives = [e for e in case.events if e.positive]
+    views = {i.view.key: i.view for i in result.incidents}
+    caught_keys = {key for f, key in result.findings if any(inside(f, e) for e in positives)}
+    false = [
+        {"kind": views[key].kind, "first_step": views[key].first_step}
+        for key in sorted(views)
+        if key not in caught_keys
+    ]
+    rows: list[dict[str, Any]] = [
+        {
+            "case": case.name,
+            "series": case.name,
+            "kind": "stream",
+            "positive": False,
+            "split": case.split,
+            "set": case.set,
+            "steps": len(case.points),
+            "false_incidents": false,
+            "note": case.note,
+        }
+    ]
+    for event in positives:
+        first = next(((f, key) for f, key in result.findings if inside(f, event)), None)
+        row: dict[str, Any] = {
+            "case": f"{case.name}:{event.lo}",
+            "series": case.name,
+            "kind": event.kind,
+            "positive": True,
+            "split": case.split,
+            "set": case.set,
+            "steps": 0,
+            "false_incidents": [],
+            "caught": first is not None,
+        }
+        if first is not None:
+            finding, key = first
+            row["incident_kind"] = views[key].kind
+            row["delay_steps"] = max(0, finding.step - event.lo)
+            row["delay_rows"] = sum(
+                1
+                for p in case.points
+                if p.incarnation == finding.incarnation and event.lo <= p.step < finding.step
+            )
+        rows.append(row)
+    return rows
+
+
+def by_series(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per series: steps, false incidents (and per 100,000 steps), positives caught, delays."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        name = row.get("series", row["case"])
+        entry = out.setdefault(
+            name, {"steps": 0, "false_incidents": 0, "positives": 0, "caught": 0, "delay_steps": []}
+        )
+        entry["steps"] += row["steps"]
+        entry["false_incidents"] += len(row["false_incidents"])
+        if row["positive"]:
+            entry["positives"] += 1
+            entry["caught"] += bool(row.get("caught"))
+            if row.get("caught"):
+                entry["delay_steps"].append(row["delay_steps"])
+    for entry in out.values():
+        steps = entry["steps"]
+        entry["false_per_100k_steps"] = round(1e5 * entry["false_incidents"] / steps, 3) if steps else None
+    return out
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,6 +328,17 @@ def main() -> None:
     if args.only in ("real", "all"):
         rows = [score_case(case, config) for case in clean_controls() + bigscience_cases()]
         report["real_curves"] = {"summary": summarize(rows), **({"cases": rows} if args.cases else {})}
+        # The added set (other codebases), reported apart so the development numbers stay as they were.
+        added = [
+            row
+            for case in added_cases()
+            for row in (score_stream(case, config) if case.events else [score_case(case, config)])
+        ]
+        report["real_curves"]["added"] = {
+            "summary": summarize(added),
+            "series": by_series(added),
+            **({"cases": added} if args.cases else {}),
+        }
     if args.only in ("scenarios", "all"):
         rows = [score_scenario(outcome) for outcome in run_corpus(args.scenario)]
         for split in ("dev", "holdout"):

@@ -4,6 +4,10 @@
   incident there is a false one, counted per 100,000 steps.
 - The BigScience excerpts are short and non-contiguous, so each labeled incident is scored
   on its own rows (its ``incident_id``), not as part of a stream.
+
+Those three files are the ``development`` set. The ``added`` set (``added_cases``) holds series
+from other codebases: clean streams scored like the controls, and streams with several labeled
+events (``Case.events``), scored event by event on the one stream.
 """
 
 from __future__ import annotations
@@ -18,6 +22,21 @@ from policies.types import StepPoint
 
 CURVES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real-curves"
 BIGSCIENCE = "bigscience_chronicle_excerpts.csv"
+# The added set: clean streams (every incident false) and streams with labeled events.
+ADDED_CLEAN = ("modded_nanogpt_scaleup1b_clean.csv",)
+ADDED_LABELED = ("birdjepa_resume_loss_jumps.csv",)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One labeled event of a stream: steps ``lo``..``hi`` of one incarnation (the one that
+    begins at ``lo`` when the label starts at a restart; any incarnation when ``None``)."""
+
+    kind: str
+    positive: bool
+    lo: int
+    hi: int
+    incarnation: str | None
 
 
 @dataclass(frozen=True)
@@ -29,6 +48,8 @@ class Case:
     label: tuple[int, int] | None
     split: str
     note: str = ""
+    set: str = "development"
+    events: tuple[Event, ...] = ()
 
 
 def clean_controls() -> list[Case]:
@@ -71,4 +92,53 @@ def bigscience_cases() -> list[Case]:
                 note=f"{len(points)} logged rows",
             )
         )
+    return cases
+
+
+def _label_rows(file: str) -> pl.DataFrame:
+    labels = pl.read_csv(CURVES / "labels.csv")
+    return labels.filter(pl.col("file").str.starts_with(file)).with_columns(
+        pl.col("file").str.extract(r"run=([^\]]+)").alias("run")
+    )
+
+
+def _events(points: tuple[StepPoint, ...], labels: pl.DataFrame) -> tuple[Event, ...]:
+    starts = {p.step: p.incarnation for p in points if p.restart}
+    return tuple(
+        Event(
+            kind=row["kind"],
+            positive=bool(row["positive"]),
+            lo=row["step_start"],
+            hi=row["step_end"],
+            incarnation=starts.get(row["step_start"]),
+        )
+        for row in labels.iter_rows(named=True)
+    )
+
+
+def added_cases() -> list[Case]:
+    cases = []
+    for name in ADDED_CLEAN:
+        for series in load_series(CURVES / name, {}, None).series:
+            label = f"{name} [run={series.run}]" if series.run else name
+            cases.append(Case(label, "clean", False, series.points, None, "dev", set="added"))
+    for name in ADDED_LABELED:
+        labels = _label_rows(name)
+        for series in load_series(CURVES / name, {}, None).series:
+            mine = labels.filter(pl.col("run") == series.run) if series.run else labels
+            events = _events(series.points, mine)
+            label = f"{name} [run={series.run}]" if series.run else name
+            cases.append(
+                Case(
+                    label,
+                    "stream",
+                    False,
+                    series.points,
+                    None,
+                    "dev",
+                    note=f"{len(events)} labeled events",
+                    set="added",
+                    events=events,
+                )
+            )
     return cases
