@@ -44,9 +44,19 @@ class ContinuityConfig:
       the step it resumed at, whatever the abandoned steps did): a trainer may log one more
       normal row (the step it restored, or a loss computed before the load took effect) and
       jump on the next one, as two public pretraining runs that lost their state did.
-    - ``level_every`` 50, ``levels_kept`` 256: the run's loss level is remembered every 50 steps
-      for the last 256 of them (12,800 steps), so a restart onto a checkpoint older than the
-      spike window (100 steps) is judged against the level the run had there.
+    - ``replay_shift`` 4%: a restart onto steps the run had already logged (a resume from an
+      older checkpoint after a crash), whose first ``resume_windows`` windows' median sits 4% or
+      more outside the range of the levels the run had around that step (a loss falls fast
+      early in a run: one level from before the step is not what the run had at it; the test
+      trainers' approved rollbacks early in training were named broken by that). The Pythia control's restarts move the
+      loss by under 1%; birdjepa's "systematic loss jumps when resuming from checkpoint" (the
+      added real curves) by 4-50% where its authors saw them. ``replay_noise_z`` 4: and by at
+      least 4 of the run's step-to-step noise units (``step_mad``): a small model whose batches
+      are drawn at random after a resume moves by more than 4% on noise alone.
+    - ``level_every`` 10, ``levels_kept`` 1024: the run's recent loss (the median of its last 5
+      windows) is remembered every 10 steps for the last 1,024 of them (10,240 steps), so a
+      restart onto a checkpoint older than the spike window (100 steps) is judged against the
+      level the run had there.
     - ``min_progress`` 10%: the check needs the run to have trained (its loss at least 10%
       below the untrained level), else there is nothing to lose.
     - ``warmup_lr_ratio`` 2 and ``trained_lr_ratio`` 4: the learning rate after the restart
@@ -66,8 +76,10 @@ class ContinuityConfig:
     initial_points: int = 5
     untrained_fraction: float = 0.5
     resume_windows: int = 5
-    level_every: int = 50
-    levels_kept: int = 256
+    replay_shift: float = 0.04
+    replay_noise_z: float = 4.0
+    level_every: int = 10
+    levels_kept: int = 1024
     min_progress: float = 0.10
     warmup_lr_ratio: float = 2.0
     trained_lr_ratio: float = 4.0
@@ -97,6 +109,13 @@ class Restart:
     windows: int = 0
     """Windows judged since it, its first included."""
     flagged: bool = False
+    replayed: bool = False
+    """It went back to steps the run had logged: they can be compared with what it logged."""
+    replay_range: tuple[float, float] | None = None
+    """The lowest and highest loss the run had at the replayed steps (short medians)."""
+    noise: float = 0.0
+    """The run's step-to-step loss noise before the restart (robust: ``step_mad``)."""
+    losses: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,9 +157,15 @@ def _finding(
 
 
 def observe_continuity(
-    state: ContinuityState, point: StepPoint, level_before: float | None, config: ContinuityConfig
+    state: ContinuityState,
+    point: StepPoint,
+    level_before: float | None,
+    config: ContinuityConfig,
+    recent: float | None = None,
+    noise: float = 0.0,
 ) -> tuple[ContinuityState, tuple[Finding, ...]]:
-    """Judge a restart's first window; ``level_before`` is the loss level the run had reached."""
+    """Judge a restart's first windows; ``level_before`` is the loss level the run had reached
+    (its trailing median), ``recent`` the loss of its last few windows (remembered by step)."""
     initial = state.initial_losses
     if len(initial) < config.initial_points and _finite(point.loss) and not point.restart:
         initial = (*initial, point.loss)  # type: ignore[arg-type]
@@ -152,22 +177,43 @@ def observe_continuity(
     found: tuple[Finding, ...] = ()
     restart = state.restart
     if point.restart and state.previous is not None:
-        restart = Restart(point.step, level_before)
+        replayed = point.step <= state.previous.step
+        restart = Restart(
+            point.step,
+            level_before,
+            replayed=replayed,
+            replay_range=_levels_around(state, point.step, config),
+            noise=noise,
+        )
         found = _restarted_schedule(point, state.previous, first_lr, config) + _reset_cursor(
             point, state.previous, config
         )
     if restart is not None and not restart.flagged and restart.windows < config.resume_windows:
-        lost = _lost_weights(point, initial, restart, config)
-        restart = replace(restart, windows=restart.windows + 1, flagged=bool(lost))
+        losses = (*restart.losses, point.loss) if _finite(point.loss) else restart.losses
+        restart = replace(restart, windows=restart.windows + 1, losses=losses)  # type: ignore[arg-type]
+        lost = _lost_weights(point, initial, restart, config) or _replay_moved(point, restart, config)
+        restart = replace(restart, flagged=bool(lost))
         found = lost + found
     levels = state.levels
-    if not point.restart and level_before is not None and _level_due(levels, point.step, config):
-        levels = (*levels, (point.step, level_before))[-config.levels_kept :]
+    # A timeline found broken is no reference for a later restart onto the same steps.
+    broken = restart is not None and restart.flagged
+    if not point.restart and recent is not None and not broken and _level_due(levels, point.step, config):
+        levels = (*levels, (point.step, recent))[-config.levels_kept :]
     return ContinuityState(initial, first_lr, point, restart, levels), found
 
 
 def _level_due(levels: tuple[tuple[int, float], ...], step: int, config: ContinuityConfig) -> bool:
     return not levels or step - levels[-1][0] >= config.level_every or step < levels[-1][0]
+
+
+def _levels_around(state: ContinuityState, step: int, config: ContinuityConfig) -> tuple[float, float] | None:
+    """The range of the levels the run had at the replayed steps themselves (``step`` to
+    ``level_every`` past its first ``resume_windows``), over every timeline that went through
+    them: a loss falls fast early in a run, and a level from before the step is not what the
+    run had at it. None when no timeline logged those steps."""
+    last = step + config.resume_windows + config.level_every
+    near = [level for at, level in state.levels if step <= at <= last]
+    return (min(near), max(near)) if near else None
 
 
 def level_at(state: ContinuityState, step: int) -> float | None:
@@ -217,6 +263,38 @@ def _lost_weights(
         untrained=untrained,
         level_before=level_before,
         fraction=back,
+        restart_step=restart.step,
+    )
+    return (replace(finding, step=restart.step),)
+
+
+def _replay_moved(point: StepPoint, restart: Restart, config: ContinuityConfig) -> tuple[Finding, ...]:
+    """A restart onto steps the run had already logged, whose first ``resume_windows`` windows
+    sit outside the levels the run had there (``replay_shift``): the state it resumed from is
+    not the state the run had at that step."""
+    around = restart.replay_range
+    if not restart.replayed or around is None or len(restart.losses) < config.resume_windows:
+        return ()
+    level = median(restart.losses)
+    low, high = around
+    before = high if level > high else low  # the nearest of what the run had there
+    if low <= level <= high or not before:
+        return ()
+    shift = (level - before) / abs(before)
+    allowed = max(config.replay_shift, config.replay_noise_z * restart.noise / abs(before))
+    if abs(shift) < allowed:
+        return ()
+    finding = _finding(
+        point,
+        "broken_resume",
+        "loss",
+        level,
+        before * (1 + math.copysign(allowed, shift)),
+        f"after the restart onto step {restart.step}, which the run had trained through, the loss "
+        f"sits at {level:.4g} over {len(restart.losses)} windows where the run had {before:.4g} "
+        f"({shift:+.1%}): it did not resume from the state it had there",
+        level_before=before,
+        shift=shift,
         restart_step=restart.step,
     )
     return (replace(finding, step=restart.step),)

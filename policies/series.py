@@ -17,6 +17,7 @@ from policies.incidents import GroupingConfig
 from policies.normalization import NormalizationConfig, normalization_findings
 from policies.numerics import NumericsConfig, NumericsState, observe_numerics
 from policies.spike import SpikeConfig, SpikeState, observe_spike
+from policies.stats import median
 from policies.types import Finding, StepPoint
 
 
@@ -51,11 +52,17 @@ def observe_step(
     state: SeriesState, point: StepPoint, config: SeriesConfig
 ) -> tuple[SeriesState, tuple[Finding, ...]]:
     """Judge one step of the run; return the new state and what was found."""
+    noise = 0.0
     if point.restart:
+        before = state.loss_spike.window
+        noise = before.step_mad() if len(before) >= 10 else 0.0
         state = rewound(state, point.step)
     window = state.loss_spike.window
     level_before = window.median() if len(window) else level_at(state.continuity, point.step)
-    continuity, resumed = observe_continuity(state.continuity, point, level_before, config.continuity)
+    recent = median(window.values[-5:]) if len(window) else None
+    continuity, resumed = observe_continuity(
+        state.continuity, point, level_before, config.continuity, recent, noise
+    )
     loss_spike, spikes = observe_spike(state.loss_spike, point, "loss", config.loss_spike)
     if lost_weights_detected(resumed):
         # The jump is explained (the weights were not restored) and the old normal no longer

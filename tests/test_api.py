@@ -341,10 +341,20 @@ def test_a_renewed_run_token_replaces_the_old_one(
     assert post(client, new, batch(step_record())).status_code == 200
 
 
-def test_unknown_run_is_404(client: TestClient, store: Engine, run: RunHandle) -> None:
+def test_an_unknown_run_answers_a_run_token_as_an_existing_one_does(
+    client: TestClient, store: Engine, run: RunHandle, admin_headers: dict[str, str]
+) -> None:
+    """403 for a token that may not access the run, whether it exists or not (a 404 let a token
+    holder enumerate run names); the admin learns that it does not exist."""
     missing = RunHandle(name="no-such-run", id=0, token=run.token, directive_id=0)
+    other = make_run(store, "run-b")
     before = snapshot(store)
-    assert_rejected(post(client, missing, batch(step_record())), 404, "not_found", store, before)
+    unknown = assert_rejected(post(client, missing, batch(step_record())), 403, "forbidden", store, before)
+    existing = assert_rejected(
+        post(client, other, batch(step_record()), run.headers), 403, "forbidden", store, before
+    )
+    assert unknown["message"].replace("no-such-run", "X") == existing["message"].replace("run-b", "X")
+    assert post(client, missing, batch(step_record()), admin_headers).status_code == 404
 
 
 # --- duplicates and conflicts ----------------------------------------------------------------

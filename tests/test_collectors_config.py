@@ -14,10 +14,10 @@ from collectors.layout import data_parallel, discover_identity
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.transport import TransportConfig
-from policies.protocol import RUN_NAME, value_problem
 from collectors.variables import FLAT_NAMES
 from monitor.settings import service_config
 from monitor.settings.layout import TRAINER_SECTIONS
+from policies.protocol import RUN_NAME, value_problem
 from tests.collectors_support import child_environ, serving, step_rows
 from tests.support import require_module
 

@@ -37,8 +37,11 @@ torch = require_module("torch")
 pytestmark = pytest.mark.slow
 
 WORLD = 4
+# The bad batch at iteration 70, 50 iterations before the next evaluation (120), which saves
+# over the one checkpoint file when the val loss improved: the hold comes well before it, also
+# with the machine loaded (an evaluation every 40 left 9 iterations, too few under load).
 CORRUPTED = ["--corrupt_at=70", "--corrupt_rank=3", "--always_save_checkpoint=False",
-             "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05"]  # fmt: skip
+             "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05"]  # fmt: skip
 
 
 class TwoNodeJob:
@@ -122,10 +125,10 @@ class TwoNodeJob:
 
 def run_and_verify(job: TwoNodeJob, approve: Callable[[int], dict[str, Any]]) -> None:
     """The corrupted batch at update 71 on rank 3 (node b): one spike, judged against all four
-    ranks, held, approved, every rank stopped at one step, restored to 40, resumed at 41."""
+    ranks, held, approved, every rank stopped at one step, restored to 60, resumed at 61."""
     job.start(*CORRUPTED)
     proposal = job.pending_proposal()
-    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 40)
+    assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 60)
     approved = approve(proposal["id"])
     assert approved["ok"], approved
     job.wait()
@@ -137,9 +140,9 @@ def run_and_verify(job: TwoNodeJob, approve: Callable[[int], dict[str, Any]]) ->
     assert sorted(a["rank"] for a in acks) == list(range(WORLD)) and {a["status"] for a in acks} == {"done"}
     assert len({a["step"] for a in acks}) == 1, acks  # every rank stopped at one step
     resumes = job.rows("resume_events")
-    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {40}
+    assert len(resumes) == WORLD and {r["checkpoint_step"] for r in resumes} == {60}
     after = [s for s in steps if s["incarnation"] == resumes[0]["incarnation"]]
-    assert min(s["step"] for s in after) == 41 and {s["rank"] for s in after} == set(range(WORLD))
+    assert min(s["step"] for s in after) == 61 and {s["rank"] for s in after} == set(range(WORLD))
     assert all(np.isfinite(s["loss_sum"]) for s in after)
 
     def judged() -> bool:
@@ -152,7 +155,12 @@ def run_and_verify(job: TwoNodeJob, approve: Callable[[int], dict[str, Any]]) ->
     assert incidents[0]["status"] == "resolved"
     first = [f for f in job.rows("findings") if f["incident_id"] == incidents[0]["id"] and f["step"] == 71]
     assert sorted(f["rank"] for f in first if f["rank"] is not None) == [3], first
-    assert len(job.rows("proposals")) == 1 and job.dead_letters() == []
+    # One rollback, no recovery loop. Under load the spike can be judged before the checkpoint
+    # at 60 is recorded (its manifest is hashed off the training thread): the escalation made
+    # then is superseded by the rollback once the record lands.
+    proposals = job.rows("proposals")
+    assert [p["action"] for p in proposals if p["status"] != "superseded"] == ["rollback"], proposals
+    assert job.dead_letters() == []
 
 
 def test_two_nodes_with_no_url_share_one_embedded_service_and_approve_through_the_store(
@@ -167,7 +175,7 @@ def test_two_nodes_with_no_url_share_one_embedded_service_and_approve_through_th
         return cli(tmp_path, "approve", str(proposal_id), "--reason", "corrupted shard", "--db", str(db))
 
     run_and_verify(job, approve)
-    (proposal,) = job.rows("proposals")
+    (proposal,) = [p for p in job.rows("proposals") if p["action"] == "rollback"]
     assert proposal["decided_by"].startswith("local:"), proposal  # the operator at the CLI
     audit = [e for e in table_rows(db, "audit_log") if e["subject"] == f"proposal:{proposal['id']}"]
     assert ("approved", proposal["decided_by"]) in [(e["action"], e["actor"]) for e in audit], audit

@@ -8,6 +8,8 @@ import math
 import random
 from pathlib import Path
 
+import pytest
+
 from monitor.judge.backtest import backtest, load_series, report_json
 from policies.series import SeriesConfig
 
@@ -61,3 +63,16 @@ def test_a_clean_restart_raises_nothing(tmp_path: Path) -> None:
     rng = random.Random(4)
     rows = [(s, loss_at(s, rng), 1 if s == 500 else 0) for s in range(1, 800)]
     assert incidents(tmp_path, rows) == []
+
+
+@pytest.mark.parametrize(("moved", "named"), [(1.02, False), (1.08, True), (0.92, True)])
+def test_a_replay_of_logged_steps_away_from_what_the_run_had_there_is_a_broken_resume(
+    tmp_path: Path, moved: float, named: bool
+) -> None:
+    """Resumed at 400 after training to 600 (a crash, an older checkpoint): the replayed steps
+    should continue the level the run had at 400; 8% above or below it, they did not resume
+    from that state (as in birdjepa's resume jumps); 2% is within a run's noise."""
+    rng = random.Random(5)
+    rows = [(s, loss_at(s, rng), 0) for s in range(1, 601)]
+    rows += [(s, loss_at(s, rng) * moved, 0) for s in range(400, 800)]
+    assert incidents(tmp_path, rows) == ([("broken_resume", 400)] if named else [])

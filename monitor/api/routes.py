@@ -143,8 +143,15 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
             raise ApiError(403, "forbidden", "this needs the service's admin token")
 
     def require_run(request: Request, run: str) -> int:
+        """The run's id for its own token (or the admin's). Any other token gets the same 403
+        whether the run exists or not: a 404 would let a token holder list other runs' names."""
         token = bearer(request)
-        run_id = service.run_id_for_token(run, token)
+        try:
+            run_id = service.run_id_for_token(run, token)
+        except queries.NotFound:
+            if is_admin(token):
+                raise
+            run_id = None
         if run_id is None:
             if is_admin(token):
                 with service.engine.connect() as connection:
