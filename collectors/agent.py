@@ -56,6 +56,7 @@ class DirectiveAgent:
         self._next_poll = 0.0
         self._answered_with_post = False
         self._canary_stack: dict[str, Any] | None = None
+        self._canary_at: tuple[str, int] | None = None  # (incarnation, step) of the last canary
 
     def attached(
         self, sender: Sender, consensus: Consensus, device: torch.device, origin: records.Origin
@@ -154,6 +155,20 @@ class DirectiveAgent:
         golden_by_stack = (directive.payload.get("golden") or {}) if directive is not None else {}
         golden = golden_by_stack.get(stack_key(self._canary_stack))
         step = self._windows.step
+        here = (self.origin.incarnation, step)
+        if here == self._canary_at:
+            # A canary ran at this step already (one at a checkpoint, one placed by the service
+            # on the same step): a result is keyed by (incarnation, rank, step), and a second
+            # one from a faulty device differs from the first, a conflict that dead-lettered it.
+            if directive is not None:
+                self.ack(
+                    directive,
+                    "done",
+                    step,
+                    {"reason": "a canary already ran at this step; its result stands"},
+                )
+            return
+        self._canary_at = here
         try:
             outcome = run_canary(
                 self._device, CanaryConfig(), golden, self._canary_faults, self._canary_stack

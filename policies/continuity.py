@@ -44,15 +44,16 @@ class ContinuityConfig:
       the step it resumed at, whatever the abandoned steps did): a trainer may log one more
       normal row (the step it restored, or a loss computed before the load took effect) and
       jump on the next one, as two public pretraining runs that lost their state did.
-    - ``replay_shift`` 4%: a restart onto steps the run had already logged (a resume from an
-      older checkpoint after a crash), whose first ``resume_windows`` windows' median sits 4% or
-      more outside the range of the levels the run had around that step (a loss falls fast
-      early in a run: one level from before the step is not what the run had at it; the test
-      trainers' approved rollbacks early in training were named broken by that). The Pythia control's restarts move the
-      loss by under 1%; birdjepa's "systematic loss jumps when resuming from checkpoint" (the
-      added real curves) by 4-50% where its authors saw them. ``replay_noise_z`` 4: and by at
-      least 4 of the run's step-to-step noise units (``step_mad``): a small model whose batches
-      are drawn at random after a resume moves by more than 4% on noise alone.
+    - ``replay_shift`` 0 (off; ``RUNHEALTH_POLICIES__CONTINUITY__REPLAY_SHIFT=0.04`` turns it
+      on): a restart onto steps the run had already logged (a resume from an older checkpoint
+      after a crash) whose first ``resume_windows`` windows' median sits that far or more
+      outside the range of the levels the run had at those steps. Off by default: the levels
+      are short medians of the windows before each remembered step, and early in a run, where
+      the loss falls by percents a step, that lag alone named approved rollbacks of the test
+      trainers broken (two of them, and one after a NaN). At 4% it caught 7 of birdjepa's 12
+      resumes that moved the loss by 0.3 nats or more (the added real curves, where it was
+      set), and the Pythia control's restarts (under 1%) stay quiet. ``replay_noise_z`` 4:
+      and by at least 4 of the run's step-to-step noise units (``step_mad``).
     - ``level_every`` 10, ``levels_kept`` 1024: the run's recent loss (the median of its last 5
       windows) is remembered every 10 steps for the last 1,024 of them (10,240 steps), so a
       restart onto a checkpoint older than the spike window (100 steps) is judged against the
@@ -76,7 +77,7 @@ class ContinuityConfig:
     initial_points: int = 5
     untrained_fraction: float = 0.5
     resume_windows: int = 5
-    replay_shift: float = 0.04
+    replay_shift: float = 0.0
     replay_noise_z: float = 4.0
     level_every: int = 10
     levels_kept: int = 1024
@@ -196,7 +197,9 @@ def observe_continuity(
         found = lost + found
     levels = state.levels
     # A timeline found broken is no reference for a later restart onto the same steps.
-    broken = restart is not None and restart.flagged
+    # Nor is a window whose loss is not finite: a run gone NaN stops moving its window, and a
+    # level remembered for its steps would be the one from before the NaN.
+    broken = (restart is not None and restart.flagged) or not _finite(point.loss)
     if not point.restart and recent is not None and not broken and _level_due(levels, point.step, config):
         levels = (*levels, (point.step, recent))[-config.levels_kept :]
     return ContinuityState(initial, first_lr, point, restart, levels), found
@@ -273,7 +276,9 @@ def _replay_moved(point: StepPoint, restart: Restart, config: ContinuityConfig) 
     sit outside the levels the run had there (``replay_shift``): the state it resumed from is
     not the state the run had at that step."""
     around = restart.replay_range
-    if not restart.replayed or around is None or len(restart.losses) < config.resume_windows:
+    if config.replay_shift <= 0 or not restart.replayed or around is None:
+        return ()
+    if len(restart.losses) < config.resume_windows:
         return ()
     level = median(restart.losses)
     low, high = around

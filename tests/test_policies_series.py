@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from monitor.judge.backtest import backtest, load_series, report_json
+from policies.continuity import ContinuityConfig
 from policies.series import SeriesConfig
 
 
@@ -19,11 +20,13 @@ def loss_at(step: float, rng: random.Random) -> float:
     return 2.0 + 8.0 * math.exp(-step / 100) + rng.gauss(0, 0.02)
 
 
-def incidents(tmp_path: Path, rows: list[tuple[int, float, int]]) -> list[tuple[str, int]]:
+def incidents(
+    tmp_path: Path, rows: list[tuple[int, float, int]], config: SeriesConfig | None = None
+) -> list[tuple[str, int]]:
     path = tmp_path / "series.csv"
     path.write_text("step,loss,restart\n" + "".join(f"{s},{loss:.5f},{r}\n" for s, loss, r in rows))
     loaded = load_series(path, {}, None)
-    report = report_json(backtest(loaded, SeriesConfig()), loaded.notes, path)
+    report = report_json(backtest(loaded, config or SeriesConfig()), loaded.notes, path)
     return [(i["kind"], i["first_step"]) for i in report["incidents"]]
 
 
@@ -71,8 +74,11 @@ def test_a_replay_of_logged_steps_away_from_what_the_run_had_there_is_a_broken_r
 ) -> None:
     """Resumed at 400 after training to 600 (a crash, an older checkpoint): the replayed steps
     should continue the level the run had at 400; 8% above or below it, they did not resume
-    from that state (as in birdjepa's resume jumps); 2% is within a run's noise."""
+    from that state (as in birdjepa's resume jumps); 2% is within a run's noise. The rule is
+    opt-in."""
     rng = random.Random(5)
     rows = [(s, loss_at(s, rng), 0) for s in range(1, 601)]
     rows += [(s, loss_at(s, rng) * moved, 0) for s in range(400, 800)]
-    assert incidents(tmp_path, rows) == ([("broken_resume", 400)] if named else [])
+    assert incidents(tmp_path, rows) == []  # off by default (ContinuityConfig.replay_shift)
+    on = SeriesConfig(continuity=ContinuityConfig(replay_shift=0.04))
+    assert incidents(tmp_path, rows, on) == ([("broken_resume", 400)] if named else [])
