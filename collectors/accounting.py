@@ -171,13 +171,13 @@ class WindowAccounting:
         """Open a window. ``sample_ids``: host ints or strings (a list, or a CPU tensor or
         array; a CUDA tensor is ignored, since reading it would sync). ``examples``: this rank's
         example count when it is not the number of ids or label rows."""
+        if self.window is not None or not self.active:
+            self._ready_for_window()
+            if not self.active:
+                return
         try:
-            if self.window is not None or not self.active:
-                self._ready_for_window()
-                if not self.active:
-                    return
             if self.attempt >= self.next_boundary:
-                self.agent.boundary()  # directives; its agreement is a gloo all-reduce, no device
+                self._boundary()
             now = time.perf_counter()
             if data_wait_s is None and self._last_end is not None:
                 data_wait_s = now - self._last_end
@@ -202,12 +202,26 @@ class WindowAccounting:
         except Exception:
             self.faults.record("window_start")
 
+    def _boundary(self) -> None:
+        """Directives; the agreement is a gloo all-reduce, no device. Its failure must not
+        stop the attempt count below: every rank agrees at the same attempts."""
+        try:
+            self.agent.boundary()
+        except Exception:
+            self.faults.record("directive boundary")
+
     def _ready_for_window(self) -> None:
-        """Attach on first use; close a window the trainer left open (no ``window_end``)."""
-        if not self.active:
-            self._attach()
-        elif self.window is not None:
-            self.window_end()
+        """Attach on first use; close a window the trainer left open (no ``window_end``). A
+        failure here must not keep the attempt below from being counted: every rank agrees on
+        directives at the same attempts."""
+        try:
+            if not self.active:
+                self._attach()
+            elif self.window is not None:
+                self.window_end()
+        except Exception:
+            self.faults.record("window_start")
+            self.window = None
 
     def loss(
         self,

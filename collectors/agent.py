@@ -89,18 +89,29 @@ class DirectiveAgent:
         windows.next_boundary = attempt - attempt % self._agree_every + self._agree_every
         # After that assignment: a local directive the sender thread arms from here on either
         # shows here or sets ``next_boundary`` to 0 after it (``apply``).
+        # The agreement first, before anything this rank alone does: it is a collective on the
+        # job's default group, so a rank that skipped one (an exception in a local canary) would
+        # pair its next with a peer's gradient all-reduce, and gloo aborts on the mismatch.
+        agreed = 0
+        if attempt % self._agree_every == 0:
+            # Host only: a 16-byte all-reduce launched an agreement ago (``Consensus``).
+            agreed = self._consensus.exchange(self.armory.oldest_armed())
         local = self.armory.take_local()
         if self.armory.local:
             windows.next_boundary = 0
         if local is not None:
-            self._act(local)
-        if attempt % self._agree_every:
-            return
-        # Host only: a 16-byte all-reduce launched an agreement ago (``Consensus``).
-        agreed = self._consensus.exchange(self.armory.oldest_armed())
+            self._act_safely(local)
         directive = self.armory.take_agreed(agreed, windows.step) if agreed else None
         if directive is not None:
+            self._act_safely(directive)
+
+    def _act_safely(self, directive: Directive) -> None:
+        """``_act``, whose failure is this rank's alone: counted and logged, and the boundary's
+        collectives (the agreement, a hold's) go on as on every peer."""
+        try:
             self._act(directive)
+        except Exception:
+            self.faults.record(f"directive {directive.kind}")
 
     def _act(self, directive: Directive) -> None:
         step = self._windows.step
@@ -142,7 +153,7 @@ class DirectiveAgent:
             step = self._windows.step
             self.ack(directive, "done", step, {"held_at_step": step, "already_held": True})
         else:
-            self._act(directive)
+            self._act_safely(directive)  # inside the hold's agreement loop: must not leave it
 
     def run_canary(self, directive: Directive | None) -> None:
         """The canary suite on this rank's device (a sync, at a boundary, on purpose)."""
