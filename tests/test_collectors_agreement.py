@@ -19,7 +19,7 @@ from tests.support import require_module
 require_module("torch")
 
 WORLD = 4
-WINDOWS = 60
+WINDOWS = 30
 
 
 @pytest.mark.slow
