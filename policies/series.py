@@ -90,6 +90,10 @@ def rewound(state: SeriesState, step: int) -> SeriesState:
     returns to a higher loss than the abandoned steps reached, and that is not a spike."""
     return replace(
         state,
-        loss_spike=SpikeState(window=state.loss_spike.window.before(step)),
-        grad_norm_spike=SpikeState(window=state.grad_norm_spike.window.before(step)),
+        loss_spike=SpikeState(
+            window=state.loss_spike.window.before(step), tail=state.loss_spike.tail.before(step)
+        ),
+        grad_norm_spike=SpikeState(
+            window=state.grad_norm_spike.window.before(step), tail=state.grad_norm_spike.tail.before(step)
+        ),
     )

@@ -117,10 +117,11 @@ def test_log_scale_judges_ratios() -> None:
         state, _ = observe_spike(
             state, StepPoint(step=step, grad_norm=1.0 + 0.05 * (step % 3)), "grad_norm", config
         )
-    assert observe_spike(state, StepPoint(step=60, grad_norm=3.9), "grad_norm", config)[1] == ()
-    (finding,) = observe_spike(state, StepPoint(step=60, grad_norm=4.5), "grad_norm", config)[1]
+    # The 6x floor over a median of 1.05: 6.3.
+    assert observe_spike(state, StepPoint(step=60, grad_norm=6.2), "grad_norm", config)[1] == ()
+    (finding,) = observe_spike(state, StepPoint(step=60, grad_norm=6.4), "grad_norm", config)[1]
     assert finding.kind == "grad_norm_spike"
-    assert finding.threshold == pytest.approx(4.2, rel=0.05)
+    assert finding.threshold == pytest.approx(6.3, rel=0.01)
     assert observe_spike(state, StepPoint(step=60, grad_norm=0.0), "grad_norm", config)[1] == ()
 
 
@@ -197,3 +198,82 @@ def test_a_rollback_is_judged_against_the_history_it_returned_to() -> None:
     # Judged against the abandoned steps (no restart), the same loss is a spike.
     _, found = observe_step(state, StepPoint(step=601, loss=loss(126)), config)
     assert [f.kind for f in found] == ["loss_spike"]
+
+
+def tailed(config: SpikeConfig, excursions: dict[int, float], steps: int = 400) -> SpikeState:
+    """A run near 2.0 (a small repeating wiggle) with one-step excursions above it, relative
+    to its level, at the given steps."""
+    state = SpikeState.empty(config)
+    for step in range(steps):
+        value = 2.0 * (1 + excursions[step]) if step in excursions else 1.98 + 0.01 * (step % 3)
+        state, _ = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
+    return state
+
+
+# A window like the defaults' but short, so a tail builds in a few hundred steps. Its threshold
+# here is the 5% floor.
+TAIL = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05, tail_horizon=300)
+# Four recovered one-step excursions under that threshold, the 3rd largest near +4.5%: the
+# run's own tail then allows a single step near +8% (1.75 x 4.5%) above its median.
+PAST = {100: 0.04, 150: 0.02, 200: 0.042, 250: 0.041}
+
+
+def above_median(state: SpikeState, relative: float) -> float:
+    return state.window.median() * (1 + relative)
+
+
+def test_a_step_within_the_runs_own_tail_is_not_a_spike_one_beyond_it_is() -> None:
+    state = tailed(TAIL, PAST)
+    level = state.tail.level(3, 100)
+    assert level == pytest.approx(0.045, abs=0.005)
+    allowed = TAIL.tail_margin * level
+    assert (
+        observe_spike(state, StepPoint(step=400, loss=above_median(state, allowed * 0.98)), "loss", TAIL)[1]
+        == ()
+    )
+    spike = StepPoint(step=400, loss=above_median(state, allowed * 1.02))
+    (finding,) = observe_spike(state, spike, "loss", TAIL)[1]
+    assert finding.kind == "loss_spike"
+
+
+def test_a_thin_tailed_run_keeps_catching_a_small_spike_and_the_tail_can_be_turned_off() -> None:
+    state = tailed(TAIL, {})
+    (finding,) = observe_spike(state, StepPoint(step=400, loss=above_median(state, 0.055)), "loss", TAIL)[1]
+    assert finding.kind == "loss_spike"
+    off = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05, tail_rank=0)
+    state = tailed(off, PAST)
+    assert (
+        len(observe_spike(state, StepPoint(step=400, loss=above_median(state, 0.055)), "loss", off)[1]) == 1
+    )
+
+
+def test_the_tail_is_forgotten_after_its_horizon() -> None:
+    """A horizon of 300 steps: at step 400 the excursions at 100, 200 and 250 make the tail; one
+    step later the one at 100 is forgotten and the 3rd largest is the small one at 150."""
+    within = tailed(TAIL, PAST, steps=400)
+    assert observe_spike(within, StepPoint(step=400, loss=above_median(within, 0.055)), "loss", TAIL)[1] == ()
+    later = tailed(TAIL, PAST, steps=401)
+    assert (
+        len(observe_spike(later, StepPoint(step=401, loss=above_median(later, 0.055)), "loss", TAIL)[1]) == 1
+    )
+
+
+def test_a_second_step_above_the_threshold_is_a_spike_and_a_lasting_jump_a_level_shift() -> None:
+    state = tailed(TAIL, PAST)
+    high = above_median(state, 0.075)
+    state, first = observe_spike(state, StepPoint(step=400, loss=high), "loss", TAIL)
+    assert first == () and state.flagged  # within the tail, but the start of a possible shift
+    state, second = observe_spike(state, StepPoint(step=401, loss=high), "loss", TAIL)
+    assert [f.kind for f in second] == ["loss_spike"]
+    found: list[str] = []
+    for step in range(402, 420):
+        state, more = observe_spike(state, StepPoint(step=step, loss=high), "loss", TAIL)
+        found += [f"{f.kind}@{f.step}" for f in more]
+    assert "loss_level_shift@400" in found  # where the jump began, the excused step included
+
+
+def test_the_tail_of_an_abandoned_timeline_is_dropped() -> None:
+    state = tailed(TAIL, PAST)
+    assert state.tail.level(4, 0) == pytest.approx(0.025, abs=0.005)  # the one at 150
+    assert state.tail.before(200).level(2, 0) == pytest.approx(0.025, abs=0.005)  # 100, then 150
+    assert state.tail.before(150).level(2, 0) is None  # only 100 (the small noise was crowded out)
