@@ -24,7 +24,7 @@ CURVES = Path(__file__).resolve().parent.parent / "tests" / "data" / "real-curve
 BIGSCIENCE = "bigscience_chronicle_excerpts.csv"
 # The added set: clean streams (every incident false) and streams with labeled events.
 ADDED_CLEAN = ("modded_nanogpt_scaleup1b_clean.csv",)
-ADDED_LABELED = ("birdjepa_resume_loss_jumps.csv",)
+ADDED_LABELED = ("birdjepa_resume_loss_jumps.csv", "torchtitan_agpt20b_resume_blip.csv")
 
 
 @dataclass(frozen=True)
