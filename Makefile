@@ -43,8 +43,14 @@ system-deps: | $(TMPDIR)
 demo: $(STAMP) | $(TMPDIR)
 	$(BIN)/runhealth demo
 
+# Two pytest workers, each taking whole test files: the end-to-end tests spend much of their
+# time waiting (on the service, on approvals, on sleeps that give an operator time), so two
+# files side by side fit in about the time of one on CI's two cores. Module fixtures stay
+# shared within their file. Every end-to-end test waits for events with wall-clock deadlines
+# and passes with two busy processes beside it (scripts/stress_suite.py).
 test: $(STAMP) system-deps | $(TMPDIR)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --basetemp=$(TMPDIR)/pytest -p no:cacheprovider
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --basetemp=$(TMPDIR)/pytest -p no:cacheprovider \
+	  -n 2 --dist loadfile
 
 lint:
 	$(BIN)/ruff check monitor collectors policies migrations tests benchmarks
