@@ -40,6 +40,7 @@ from collectors.window import (
     PendingWindow,
     RenderContext,
     Totals,
+    UnfinishedWindow,
     WindowValues,
     label_rows,
     render_ids,
@@ -183,7 +184,8 @@ class WindowAccounting:
                 data_wait_s = now - self._last_end
             self.attempt += 1
             ids = list(sample_ids) if type(sample_ids) is list else self._sample_ids(sample_ids)
-            window = WindowValues(self.attempt, data_wait_s, ids, examples)
+            # Open before the values below are read: one that fails leaves the window without it.
+            self.window = window = WindowValues(self.attempt, data_wait_s, ids, examples)
             if self.scaler is not None:
                 # Sync: none. A device scale is cloned on the device, not read (``loss_scale``).
                 window.loss_scale = loss_scale(self.scaler)
@@ -191,7 +193,6 @@ class WindowAccounting:
                 # Sync: none for a float rate; a tensor rate is cloned on its device.
                 lr = self.optimizers[0].param_groups[0]["lr"]
                 window.lr = lr if type(lr) is float else learning_rate(self.optimizers[0])
-            self.window = window
             # Sync: none. On a GPU a phase stamp is a CUDA event recorded on the stream, read
             # for the window's timings only once its ring slot completed (``phases.py``).
             phases = self.phases  # ``PhaseClock.enter``, inlined (see ``PhaseClock.marks``)
@@ -199,8 +200,10 @@ class WindowAccounting:
             phases.marks.append(mark)
             if self.pending_resume is not None:
                 self.events.flush_resume()  # it waited for this window's first sample ids
-        except Exception:
+        except Exception as exc:
             self.faults.record("window_start")
+            if self.window is None:  # the attempt was counted, its window never opened
+                self._unfinished(self.attempt, "window_start", exc)
 
     def _boundary(self) -> None:
         """Directives; the agreement is a gloo all-reduce, no device. Its failure must not
@@ -298,8 +301,8 @@ class WindowAccounting:
         about a microsecond, and calling those two instead measured 13 us more a step
         (``benchmarks/hook_overhead.py``, direct measure). The copies are marked below; a change
         to either rule changes them too."""
+        window = self.window
         try:
-            window = self.window
             if window is None or not self.active:
                 return
             self.window = None
@@ -335,8 +338,18 @@ class WindowAccounting:
             skipped = (not updated) if self.optimizers else None
             window.handed = (self.context, self.step, self.consumed, skipped, end, (marks, complete))
             self._sender.submit(window)
-        except Exception:
+        except Exception as exc:
             self.faults.record("window_end")
+            if window is not None and window.handed is None:  # taken above, never handed over
+                self._unfinished(window.attempt, "window_end", exc)
+
+    def _unfinished(self, attempt: int, where: str, error: Exception) -> None:
+        """An attempt counted without a record (the failure is counted already): the sender
+        dead-letters what names it, with the error, so the window is not lost unrecorded."""
+        try:
+            self._sender.submit(UnfinishedWindow(self.context.identity, attempt, where, error))
+        except Exception:
+            self.faults.record("window accounting")
 
     def _close_window(self, window: WindowValues, end: float) -> None:
         """An accelerator's window (or a folded one): settled here, its device values sent
@@ -534,7 +547,11 @@ class WindowAccounting:
         self, index: int, waited: float, sample_ids: Callable[[Any], Any] | None, batch: Any
     ) -> None:
         """``RunHealth.windows``: batch ``index`` of a window arrived after ``waited`` seconds."""
-        ids = sample_ids(batch) if sample_ids is not None else None
+        try:
+            ids = sample_ids(batch) if sample_ids is not None else None
+        except Exception:  # the trainer's function: the window is still opened, without ids
+            self.faults.record("sample_ids")
+            ids = None
         if index == 0:
             self.window_start(sample_ids=ids, data_wait_s=waited)
             return

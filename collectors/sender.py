@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from collectors.counters import Counters
 from collectors.spool import MemorySpool, Spool
 from collectors.transport import Delivery, Outcome
-from collectors.wire import Draft, Record
+from collectors.wire import Draft, NotRendered, Record
 
 log = logging.getLogger("runhealth.collectors.sender")
 
@@ -215,7 +215,10 @@ class Sender:
         """Post ``records``; return those still to be delivered later (service down)."""
         if not records:
             return []
-        delivery = self._transport.post(records)
+        try:
+            delivery = self._transport.post(records)
+        except Exception as exc:  # a transport's own failure: the batch is kept, with why
+            delivery = self._transport_failed(exc)
         if delivery.outcome is Outcome.DELIVERED:
             self._counters.add(counter, len(records))
             self._mark_up()
@@ -226,6 +229,15 @@ class Sender:
             self._mark_down(delivery.reason)
             return list(records)
         return self._rejected(records, delivery, counter)
+
+    def _transport_failed(self, exc: Exception) -> Delivery:
+        """A connection error is the service's (kept for later); anything else the batch's
+        or the transport's: dead-lettered with the error, never lost with the cycle."""
+        self._counters.add("hook_errors")
+        self._log_once("transport", f"the transport failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, OSError):
+            return Delivery(Outcome.RETRY, None, f"{type(exc).__name__}: {exc}")
+        return Delivery(Outcome.REJECTED, None, f"not sent: {type(exc).__name__}: {exc}")
 
     def _rejected(self, records: Sequence[Record], delivery: Delivery, counter: str) -> list[Record]:
         """Split what the service called too large; set aside what it named; keep the rest."""
@@ -267,15 +279,27 @@ class Sender:
                 log.exception("runhealth sender: preparing a batch failed (logged once)")
 
     def _render(self, draft: Draft) -> Record | None:
+        """The draft's record; one that fails to render (a value it cannot read) is not lost
+        with nothing on disk: what names it is dead-lettered with the error, and the batch
+        around it goes on."""
         try:
             return draft.render()
-        except Exception:  # a bug in one record must not cost the batch around it
+        except NotRendered as exc:  # counted where it failed
+            self._set_aside([identify(draft)], f"not rendered: {exc}"[:2000])
+        except Exception as exc:
             self._counters.add("hook_errors")
-            self._counters.add("dropped")
             if "render" not in self._logged:
                 self._logged.add("render")
                 log.exception("runhealth sender: rendering a record failed (logged once)")
-            return None
+            self._set_aside([identify(draft)], f"not rendered: {type(exc).__name__}: {exc}"[:2000])
+        return None
+
+    def _set_aside(self, records: list[Record], reason: str) -> None:
+        try:
+            self._spool.dead_letter(records, reason, None)
+        except OSError:  # no disk for it either: counted, and the batch around it goes on
+            self._counters.add("dropped", len(records))
+            log.error("runhealth sender: could not dead-letter %d records (%s)", len(records), reason)
 
     # Heartbeats: state, not history. One that cannot be delivered is superseded by the next,
     # so it is counted, never spooled.
@@ -329,3 +353,10 @@ class Sender:
         if key not in self._logged:
             self._logged.add(key)
             log.warning("runhealth: %s", message)
+
+
+def identify(draft: Draft) -> Record:
+    try:
+        return draft.identify()
+    except Exception:  # what names it failed too: its type still says what was lost
+        return {"kind": type(draft).__name__}

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
 from collectors.http11 import HttpConnection
-from collectors.wire import Record, encode_batch
+from collectors.wire import Record, encode_batch, encoding_problems
 from policies.protocol import RUN_NAME, value_problem
 
 RETRY_STATUSES = frozenset({408, 429})
@@ -144,7 +144,11 @@ class HttpTransport:
 
     def post(self, records: Sequence[Record]) -> Delivery:
         try:
-            status, body = self._connection.post(self._post_path, encode_batch(records), self._headers)
+            body = encode_batch(records)
+        except TypeError as exc:  # the batch is at fault: those records are named, the rest sent
+            return unencodable(records, exc)
+        try:
+            status, body = self._connection.post(self._post_path, body, self._headers)
         except (OSError, http.client.HTTPException) as exc:  # the service, not the batch
             return Delivery(Outcome.RETRY, None, f"{type(exc).__name__}: {exc}")
         delivery = classify(status, body)
@@ -170,6 +174,14 @@ class HttpTransport:
     def close(self) -> None:
         self._connection.close()
         self._poll_connection.close()
+
+
+def unencodable(records: Sequence[Record], error: Exception) -> Delivery:
+    """A batch JSON cannot carry (an integer past 64 bits, text with a lone surrogate): rejected
+    here as the service would reject an invalid record, naming those records and why."""
+    problems = encoding_problems(records)
+    reason = "; ".join(f"record {index}: {problem}" for index, problem in problems.items()) or str(error)
+    return Delivery(Outcome.REJECTED, None, f"not encodable as JSON: {reason}"[:2000], tuple(problems))
 
 
 def classify(status: int, body: bytes) -> Delivery:

@@ -25,7 +25,7 @@ import numpy
 from collectors.phases import TIMED, Mark, Phase, durations, wall_durations
 from collectors.tokens import supervised_tokens
 from collectors.values import host_float, on_device
-from collectors.wire import Draft, Record
+from collectors.wire import Draft, NotRendered, Record
 from policies import protocol
 from policies.protocol import float_to_wire
 
@@ -127,6 +127,12 @@ class WindowValues(Draft):
         return PendingWindow(
             context, self, None, self.microbatches, step, consumed, skipped, end, (), marks
         ).render()
+
+    def identify(self) -> Record:
+        handed = self.handed
+        if handed is None:
+            return {"kind": "step", "attempt": self.attempt}
+        return {"kind": "step", **handed[0].identity, "attempt": self.attempt, "step": handed[1]}
 
     def local_examples(self, rows: int) -> int | None:
         """This rank's examples: as given, else the sample ids, else the label rows."""
@@ -381,6 +387,9 @@ class PendingWindow(Draft):
         finally:
             phases.release(marks)
 
+    def identify(self) -> Record:
+        return {"kind": "step", **self.context.identity, "attempt": self.values.attempt, "step": self.step}
+
     def _values(self) -> dict[str, float | None]:
         window, totals = self.values, self.totals
         sums = totals.folded.copy() if totals is not None else Sums()
@@ -446,6 +455,24 @@ class PendingWindow(Draft):
                 )
         add_phase_times(record, spent, PHASE_FIELDS)
         return record
+
+
+class UnfinishedWindow(Draft):
+    """A window counted as an attempt whose record could not be made on the training thread (an
+    exception in ``window_start`` or ``window_end``, counted there): the sender dead-letters
+    what names it, with the error, since it has no record to render."""
+
+    __slots__ = ("error", "record")
+
+    def __init__(self, identity: dict[str, Any], attempt: int, where: str, error: Exception) -> None:
+        self.record: Record = {"kind": "step", **identity, "attempt": attempt}
+        self.error = f"{where} failed: {type(error).__name__}: {error}"
+
+    def identify(self) -> Record:
+        return self.record
+
+    def render(self) -> Record:
+        raise NotRendered(self.error)
 
 
 def add_phase_times(record: Record, spent: dict[Phase, float] | None, fields: dict[Phase, str]) -> None:

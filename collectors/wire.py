@@ -13,6 +13,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from policies.protocol import to_wire
+
 Record = dict[str, Any]
 
 
@@ -36,6 +38,11 @@ def _fast_dumps() -> Callable[[Any], bytes]:
 _dumps = _fast_dumps()
 
 
+class NotRendered(Exception):
+    """A draft's render that knows it has no record: the failure was counted where it
+    happened (the window's own entry point), and the message says what it was."""
+
+
 class Draft:
     """A record still to be rendered: the sender calls ``render`` when it takes it from its queue,
     so the work happens on the sender thread, not the training thread."""
@@ -45,15 +52,49 @@ class Draft:
     def render(self) -> Record:
         raise NotImplementedError
 
+    def identify(self) -> Record:
+        """What names the record when it cannot be rendered: its kind and key, as far as
+        known. The sender dead-letters it with the reason (nothing is lost unrecorded)."""
+        return {"kind": type(self).__name__}
+
 
 def encode_batch(records: Sequence[Record]) -> bytes:
-    """The ingest body, from records already made wire-safe."""
+    """The ingest body, from records already made wire-safe. Raises ``TypeError`` for a value
+    JSON cannot carry to the service (an integer past 64 bits, text with a lone surrogate):
+    ``encoding_problems`` names the records."""
     return _dumps({"records": list(records)})
 
 
+def encoding_problems(records: Sequence[Record]) -> dict[int, str]:
+    """The records of a batch that cannot be encoded, by index, each with the first field that
+    cannot (called only once ``encode_batch`` failed)."""
+    problems = {}
+    for index, record in enumerate(records):
+        try:
+            _dumps(record)
+        except TypeError as exc:
+            problems[index] = _first_bad_field(record) or str(exc)
+    return problems
+
+
+def _first_bad_field(record: Record) -> str | None:
+    for name, value in record.items():
+        try:
+            _dumps([value])
+        except TypeError as exc:
+            return f"field {name!r}: {exc}"
+    return None
+
+
 def encode_line(document: Mapping[str, Any]) -> bytes:
-    """One JSON-lines entry (spool and dead-letter files), newline included."""
-    return _dumps(dict(document)) + b"\n"
+    """One JSON-lines entry (spool and dead-letter files), newline included. What the fast
+    encoder refuses (an integer past 64 bits, a lone surrogate, an object JSON has no type for)
+    is written by the standard library instead, surrogates escaped and unknown objects as their
+    ``repr``: a record that cannot be sent must still be kept, with the reason it was not."""
+    try:
+        return _dumps(dict(document)) + b"\n"
+    except TypeError:
+        return json.dumps(to_wire(dict(document)), default=repr, separators=(",", ":")).encode() + b"\n"
 
 
 def decode_line(line: bytes) -> Any:
