@@ -248,7 +248,8 @@ def _lost_weights(
         return ()
     untrained = median(initial)
     gap = untrained - level_before
-    if gap < config.min_progress * abs(untrained):
+    # ``<=``: a loss that starts and stays at 0 made no progress either (0 < 0 is false).
+    if gap <= 0 or gap < config.min_progress * abs(untrained):
         return ()
     back = (point.loss - level_before) / gap  # type: ignore[operator]
     if back < config.untrained_fraction:

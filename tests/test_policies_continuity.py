@@ -53,6 +53,14 @@ def test_data_cursor_back_at_zero_while_step_kept() -> None:
     assert restart(consumed=64 * 90, step=90) == []  # a rollback moves both together
 
 
+def test_a_loss_that_is_zero_from_the_start_is_judged_without_dividing_by_zero() -> None:
+    state = ContinuityState()
+    for step in range(1, 50):
+        state, _ = observe_continuity(state, StepPoint(step=step, loss=0.0, lr=1e-3), 0.0, CONFIG)
+    point = StepPoint(step=30, loss=0.0, lr=1e-3, restart=True)
+    assert observe_continuity(state, point, 0.0, CONFIG)[1] == ()
+
+
 def test_no_history_no_judgement() -> None:
     point = StepPoint(step=5, loss=10.0, lr=1e-5, restart=True)
     assert observe_continuity(ContinuityState(), point, None, CONFIG)[1] == ()
