@@ -13,6 +13,8 @@ for a person to inspect and is never replayed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -89,10 +91,20 @@ class SpoolFile:
         return self.cursor < self.size()
 
     def append(self, line: bytes, fsync: bool) -> None:
-        # One write call per batch: with O_APPEND it lands whole at the end of the file.
-        os.write(self._fd, line)
-        if fsync:
-            os.fsync(self._fd)
+        """One write call per batch: with O_APPEND it lands whole at the end of the file. A
+        write the disk refuses (full, gone read-only) leaves the file as it was and raises: a
+        partial line would run into the next one and make both unreadable."""
+        before = self.size()
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes")
+            if fsync:
+                os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, before)
+            raise
 
     def read_line(self) -> tuple[bytes, int] | None:
         """The line at the cursor and the offset after it; None at the end or a torn tail."""
@@ -136,7 +148,8 @@ class SpoolFile:
 
 @dataclass(frozen=True)
 class SpooledBatch:
-    source: SpoolFile
+    source: SpoolFile | None
+    """None for a batch waiting in memory."""
     records: list[Record]
     end: int
 
@@ -155,6 +168,9 @@ class Spool:
         self._own = own
         self._dead_path = self.directory / f"{safe_name(name)}{DEAD_SUFFIX}"
         self._adopted: deque[SpoolFile] = deque(self._adopt())
+        # Where batches wait while the disk refuses them (full, read-only since): newer than
+        # everything in the files, so replayed after them, and appended to until it drains.
+        self._overflow = MemorySpool(config, run, name, counters)
 
     @property
     def path(self) -> Path:
@@ -165,10 +181,14 @@ class Spool:
         return self._dead_path
 
     def backlog(self) -> bool:
-        return bool(self._adopted) or self._own.pending()
+        return bool(self._adopted) or self._own.pending() or self._overflow.backlog()
 
     def append(self, records: Sequence[Record]) -> bool:
-        """Keep a batch for replay; False (and counted as dropped) past the disk limit."""
+        """Keep a batch for replay; False (and counted as dropped) past the disk limit. A batch
+        the disk refuses waits in memory (``MemorySpool``, the same byte limit), said once each
+        time the disk starts refusing."""
+        if self._overflow.backlog():
+            return self._overflow.append(records)  # behind what already waits there
         line = encode_line({"records": list(records), "spooled_at": time.time()})
         if self._own.size() + len(line) > self._config.max_bytes:
             self._counters.add("dropped", len(records))
@@ -179,7 +199,17 @@ class Spool:
                 len(records),
             )
             return False
-        self._own.append(line, self._config.fsync)
+        try:
+            self._own.append(line, self._config.fsync)
+        except OSError as exc:
+            log.error(
+                "runhealth: spool %s cannot be written (%s): batches wait in memory, up to %d bytes, "
+                "until it can",
+                self._own.path,
+                exc,
+                self._config.max_bytes,
+            )
+            return self._overflow.append(records)
         self._counters.add("spooled", len(records))
         return True
 
@@ -195,9 +225,12 @@ class Spool:
             batch = self._parse(source, line, end)
             if batch is not None:
                 return batch
-        return None
+        return self._overflow.head()
 
     def advance(self, batch: SpooledBatch) -> None:
+        if batch.source is None:
+            self._overflow.advance(batch)
+            return
         batch.source.commit(batch.end)
         if batch.source is not self._own and not batch.source.pending():
             self._finish(batch.source)
@@ -215,6 +248,7 @@ class Spool:
             source.close(remove_if_empty=True)
         self._adopted.clear()
         self._own.close(remove_if_empty=True)
+        self._overflow.close()  # what still waits in memory is counted as dropped, and said
 
     def _adopt(self) -> list[SpoolFile]:
         found = []
@@ -301,7 +335,7 @@ class MemorySpool:
     def head(self) -> SpooledBatch | None:
         if not self._batches:
             return None
-        return SpooledBatch(None, self._batches[0][0], 0)  # type: ignore[arg-type]
+        return SpooledBatch(None, self._batches[0][0], 0)
 
     def advance(self, batch: SpooledBatch) -> None:
         if self._batches and self._batches[0][0] is batch.records:

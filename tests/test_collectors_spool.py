@@ -3,7 +3,9 @@ limit, dead letters, and adoption of files a finished or crashed process left be
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -175,3 +177,38 @@ def test_a_spool_directory_that_cannot_be_written_keeps_the_records_in_memory_an
     assert rh.counters["dropped"] == 0 and rh.counters["hook_errors"] == 0
     said = [r for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(said) == 1 and "sending directly" in said[0].getMessage()
+
+
+def test_a_disk_that_fills_mid_run_keeps_the_batches_in_memory_in_order_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk refuses the spool's writes (ENOSPC: the first one half written, then none):
+    those batches wait in memory behind what the file holds, nothing is lost or torn, it is
+    said once, and once memory has drained the file takes batches again."""
+    counters = Counters()
+    target = spool(tmp_path, counters=counters)
+    own_fd = target._own._fd  # the narrowest point: this file's write calls
+    real_write = os.write
+    full = {"on": False, "calls": 0}
+
+    def write(fd: int, data: bytes) -> int:
+        if fd != own_fd or not full["on"]:
+            return real_write(fd, data)
+        full["calls"] += 1
+        if full["calls"] == 1:
+            return real_write(fd, data[:7])  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write)
+    assert target.append(records(0, 2))
+    full["on"] = True
+    assert target.append(records(2, 2)) and target.append(records(4, 1))
+    assert target.path.read_bytes().count(b"\n") == 1  # the half-written line was taken back
+    assert sum("cannot be written" in r.message for r in caplog.records) == 1
+    assert counters.snapshot()["spooled"] == 5 and counters.snapshot().get("dropped", 0) == 0
+    full["on"] = False
+    assert target.append(records(5, 1))  # memory still holds batches: it waits behind them
+    assert replay_all(target) == [records(0, 2), records(2, 2), records(4, 1), records(5, 1)]
+    assert not target.backlog()
+    assert target.append(records(6, 1)) and target.path.read_bytes().count(b"\n") == 1  # the file again
+    assert counters.snapshot().get("spool_unreadable", 0) == 0
