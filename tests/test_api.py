@@ -109,8 +109,7 @@ def test_malformed_json_is_400(client: TestClient, store: Engine, run: RunHandle
     [
         ("loss_sum", "2.5"),  # a string for a float
         ("grad_norm", "nan"),  # only the exact names NaN, Infinity, -Infinity are floats
-        ("tokens", 1.5),  # a float for an int
-        ("tokens", 2.0),  # even a whole one
+        ("tokens", 1.5),  # a fraction for an int (a whole 2.0 is 2: see below)
         ("rank", "0"),
         ("skipped", 1),
         ("tokens", -1),
@@ -125,6 +124,33 @@ def test_wrong_type_is_422_naming_index_and_field(
     records = [*steps(2), step_record(attempt=2, **{field: value})]
     body = assert_rejected(post(client, run, batch(*records)), 422, "invalid_record", store, before)
     assert_problem(body, 2, field)
+
+
+def test_an_integer_past_64_bits_in_a_free_form_document_is_kept_as_a_float(
+    client: TestClient, store: Engine, run: RunHandle
+) -> None:
+    """The store's JSON writer takes integers of 64 bits; a wider one in a document (a config,
+    a sample's counters) was a 500 that refused the whole batch."""
+    start = next(r for r in record_of_each_kind(run.directive_id) if r["kind"] == "run_start")
+    config = {"seed": 2**70, "nested": [{"n": -(2**64)}], "widest": 2**64 - 1, "flag": True}
+    assert post(client, run, batch({**start, "config": config})).status_code == 200
+    with store.connect() as connection:
+        stored = connection.execute(sa.select(models.Incarnation.__table__.c.config)).scalar_one()
+    assert stored == {
+        "seed": float(2**70),
+        "nested": [{"n": float(-(2**64))}],
+        "widest": 2**64 - 1,
+        "flag": True,
+    }
+
+
+def test_a_whole_float_for_an_int_is_that_int(client: TestClient, store: Engine, run: RunHandle) -> None:
+    """JSON Schema's ``integer`` (the OpenAPI document's) is any number with no fraction: ``2.0``
+    for ``tokens`` is stored as the integer 2, and sent again as ``2`` it is a duplicate."""
+    assert post(client, run, batch(step_record(tokens=2.0, rank=1.0))).json()["accepted"] == 1
+    with store.connect() as connection:
+        assert connection.execute(sa.select(STEP.c.tokens, STEP.c.rank)).one() == (2, 1)
+    assert post(client, run, batch(step_record(tokens=2, rank=1))).json()["duplicates"] == 1
 
 
 @both_backends
@@ -181,7 +207,7 @@ def test_a_rank_past_the_declared_world_size_is_422(
     body = assert_rejected(
         post(client, run, batch(*steps(2), step_record(rank=4, attempt=2))),
         422,
-        "invalid_record",
+        "inconsistent_record",
         store,
         before,
     )

@@ -50,7 +50,7 @@ def test_an_operator_token_decides_as_its_operator_and_names_nobody_else(
     headers = operator_headers(store, "alice")
     path = f"/v1/proposals/{proposal['id']}/reject"
     named = client.post(path, json={"reason": "bad shard", "operator": "carol"}, headers=headers)
-    assert (named.status_code, named.json()["error"]) == (422, "invalid")
+    assert (named.status_code, named.json()["error"]) == (403, "forbidden")
     assert "only the admin token" in named.json()["message"]
     done = client.post(path, json={"reason": "bad shard"}, headers=headers)
     assert (done.status_code, done.json()["proposal"]["decided_by"]) == (200, "alice")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from monitor.ingest.schemas import RECORD_KINDS, BatchIn, model_of
+from monitor.ingest.schemas import RECORD_KINDS, BatchIn, WholeBatchIn, model_of, validate_batch
 from policies import protocol
 from policies.protocol import Field, Structure, ValueType
 from tests.support import record_of_each_kind
@@ -196,3 +196,33 @@ def test_bare_nonfinite_tokens_read_as_the_names_do() -> None:
     for raw in (bare, named):
         (record,) = BatchIn.model_validate_json(raw).records
         assert math.isnan(record.loss_sum) and (record.grad_norm, record.lr) == (math.inf, -math.inf)
+
+
+def integer_fields() -> Iterator[tuple[str, str]]:
+    for kind, record in RECORDS.items():
+        for field in KINDS[kind].fields:
+            value = record.get(field.name)
+            if isinstance(field.type, protocol.Integer) and type(value) is int:
+                yield kind, field.name
+
+
+@pytest.mark.parametrize(("kind", "field"), list(integer_fields()))
+def test_an_integer_written_as_a_whole_float_is_that_integer(kind: str, field: str) -> None:
+    """JSON Schema's ``integer`` (the OpenAPI document's) takes ``2.0`` as ``2``, so does the API
+    (on the second read of ``validate_batch``); ``2.5`` is still refused, by the field's name."""
+    record = RECORDS[kind]
+    (plain,) = validate_batch(json.dumps({"records": [record]}).encode()).records
+    (whole,) = validate_batch(
+        json.dumps({"records": [{**record, field: float(record[field])}]}).encode()
+    ).records
+    assert whole.model_dump() == plain.model_dump() and type(getattr(whole, field)) is int
+    with pytest.raises(ValidationError) as caught:
+        validate_batch(json.dumps({"records": [{**record, field: record[field] + 0.5}]}).encode())
+    assert [error["loc"][-1] for error in caught.value.errors()] == [field]
+
+
+def test_the_second_read_documents_what_the_first_does() -> None:
+    """The OpenAPI document is made from the strict models; the ones that take whole floats
+    describe the very same batch."""
+    strict, whole = (model.model_json_schema() for model in (BatchIn, WholeBatchIn))
+    assert (strict["$defs"], strict["properties"]) == (whole["$defs"], whole["properties"])
