@@ -4,14 +4,19 @@
 
     pending --answered--> done        (a rollback: its proposal is executed)
        +----rank failed--> failed     (a rollback: its proposal failed)
-       +----rank missed--> superseded (a rollback: reissued after the step the ranks passed)
+       +----rank missed--> superseded (a rollback: reissued after the step the ranks passed;
+                                       any other: withdrawn, its armed copies disarmed)
        +----retired------> superseded (its incarnation restarted: its ranks are gone)
 
 Each rank answers a directive once, ``done``, ``missed`` (it was already past the step the
 directive named) or ``failed``. A rollback is settled by its acknowledgements in that order of
 precedence: one miss means the ranks would not act together, so it is reissued; else one
 failure fails it; else it is done once every rank of the world answered. A directive without a
-workflow behind it (a stack dump, a canary) is done once every rank it named answered, however.
+workflow behind it (a stack dump, a canary) is done once every rank it named answered, however,
+unless a rank missed its step: then the ranks can never act on it together, and it is
+withdrawn. Left pending, the ranks that armed it in time would keep it armed, and the
+directive agreement (every rank's oldest armed id) would never again agree on anything: a
+scheduled canary missed by one slow-starting rank blocked every later hold and rollback.
 """
 
 from __future__ import annotations
@@ -60,16 +65,23 @@ class RankMissed:
 
 
 @dataclass(frozen=True)
+class Withdrawn:
+    """A rank was already past the step of a directive without a workflow (a canary): it is
+    withdrawn, not reissued (a scheduled canary's next round comes on its own)."""
+
+
+@dataclass(frozen=True)
 class Retired:
     """A newer incarnation of the run started; this one's ranks can never answer."""
 
 
-DirectiveEvent = Answered | RankFailed | RankMissed | Retired
+DirectiveEvent = Answered | RankFailed | RankMissed | Withdrawn | Retired
 
 _TARGETS: dict[type[DirectiveEvent], DirectiveStatus] = {
     Answered: DirectiveStatus.DONE,
     RankFailed: DirectiveStatus.FAILED,
     RankMissed: DirectiveStatus.SUPERSEDED,
+    Withdrawn: DirectiveStatus.SUPERSEDED,
     Retired: DirectiveStatus.SUPERSEDED,
 }
 OPEN = (DirectiveStatus.PENDING,)
@@ -132,9 +144,14 @@ def settle_rollback(acks: Iterable[Ack], world: int) -> DirectiveEvent | None:
     return None
 
 
-def settle_simple(answered: Collection[int], wanted: Collection[int]) -> DirectiveEvent | None:
+def settle_simple(
+    answered: Collection[int], wanted: Collection[int], missed: bool = False
+) -> DirectiveEvent | None:
     """A directive without a workflow: answered once every rank it wants did, whatever each
-    said (a rank that failed to dump its stacks is no reason to ask it again)."""
+    said (a rank that failed to dump its stacks is no reason to ask it again); withdrawn once
+    one rank ``missed`` its step."""
+    if missed:
+        return Withdrawn()
     if wanted and set(wanted) <= set(answered):
         return Answered(rollback=False)
     return None

@@ -2,11 +2,15 @@
 
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from monitor.recovery.directives import create_directive
+from monitor.store import models
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, batch
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+DIRECTIVE = models.table_of(models.Directive)
 
 
 def pending(client: TestClient, run: RunHandle, rank: int, incarnation: str = INCARNATION) -> list[int]:
@@ -156,3 +160,24 @@ def test_only_the_admin_creates_directives(client: TestClient, run: RunHandle) -
     assert response.status_code == 403
     response = client.post(f"/v1/runs/{run.name}/directives", json={"kind": "reboot"}, headers=ADMIN)
     assert response.status_code == 422
+
+
+def test_a_canary_one_rank_missed_is_withdrawn_from_the_ranks_that_armed_it(
+    client: TestClient, run: RunHandle, store: Any
+) -> None:
+    """A scheduled canary at step 3 that rank 3 first saw past its step: left pending, ranks 0-2
+    would keep it armed and the directive agreement (every rank's oldest armed id) would never
+    again agree, so no later hold or rollback could act (seen in the demo under load)."""
+    with store.begin() as connection:
+        canary = create_directive(
+            connection, run.id, "canary", created_by="schedule", now=1.0, act_at_step=3,
+            payload={"golden": {}},
+        )  # fmt: skip
+    assert all(canary in pending(client, run, rank) for rank in range(4))
+    missed = {"kind": "directive_ack", "directive_id": canary, "incarnation": INCARNATION, "rank": 3,
+              "time": 2.0, "status": "missed", "step": 5}  # fmt: skip
+    assert client.post(run.records_path, json=batch(missed), headers=run.headers).status_code == 200
+    assert all(canary not in pending(client, run, rank) for rank in range(4))
+    with store.connect() as connection:
+        status = connection.execute(sa.select(DIRECTIVE.c.status).where(DIRECTIVE.c.id == canary)).scalar()
+    assert status == "superseded"

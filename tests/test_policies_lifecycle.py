@@ -16,6 +16,7 @@ from policies.directive_lifecycle import (
     RankFailed,
     RankMissed,
     Retired,
+    Withdrawn,
     settle_rollback,
     settle_simple,
 )
@@ -126,6 +127,7 @@ def test_the_status_groups_follow_the_moves() -> None:
         (Answered(rollback=False), DirectiveStatus.DONE, ()),
         (RankFailed(), DirectiveStatus.FAILED, (DirectiveEffect.ROLLBACK_FAILED,)),
         (RankMissed(), DirectiveStatus.SUPERSEDED, (DirectiveEffect.REISSUE,)),
+        (Withdrawn(), DirectiveStatus.SUPERSEDED, ()),
         (Retired(), DirectiveStatus.SUPERSEDED, ()),
     ],
 )
@@ -163,3 +165,10 @@ def test_a_directive_without_a_workflow_waits_for_the_ranks_it_wants() -> None:
     assert settle_simple({0}, {0, 1}) is None
     assert settle_simple({0, 1, 2}, {0, 1}) == Answered(rollback=False)
     assert settle_simple({0}, ()) is None  # wanting no rank (an unknown world) settles nothing
+
+
+def test_a_step_one_rank_missed_withdraws_a_directive_without_a_workflow() -> None:
+    """The ranks that armed it in time would keep it armed, and the agreement would never again
+    agree on any directive: withdrawn at the first miss, before the others answer."""
+    assert settle_simple({3}, {0, 1, 2, 3}, missed=True) == Withdrawn()
+    assert directive_lifecycle.advance("pending", Withdrawn()).status is DirectiveStatus.SUPERSEDED

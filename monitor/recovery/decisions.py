@@ -703,7 +703,8 @@ class Decisions:
             answers = [Ack(a.rank, AckStatus(a.status)) for a in acks]
             return directive_lifecycle.settle_rollback(answers, self._world(connection, run_id, acks))
         wanted = directive["ranks"] or range(self._world(connection, run_id, []))
-        return directive_lifecycle.settle_simple({a.rank for a in acks}, wanted)
+        missed = any(a.status == AckStatus.MISSED for a in acks)
+        return directive_lifecycle.settle_simple({a.rank for a in acks}, wanted, missed)
 
     def _all_resumed(self, connection: Connection, run_id: int, incarnation: str) -> bool:
         """Every rank of the new incarnation has said what it restored (resume records arrive in
