@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ if rank == 0:
 else:
     if peer_joins:
         consensus.close(1.0)
-    time.sleep(0 if peer_joins else 8)  # hung before the boundary: never joins
+    time.sleep(0 if peer_joins else 120)  # hung before the boundary: never joins
 os._exit(0)
 """
 
@@ -55,11 +54,10 @@ def test_close_waits_for_the_agreement_at_most_its_bound(tmp_path: Path, peer: s
         )
         for rank in (0, 1)
     ]
-    started = time.monotonic()
     out, err = ranks[0].communicate(timeout=60)
-    rank0_s = time.monotonic() - started
+    peer_still_hung = ranks[1].poll() is None
     if peer == "hangs":
-        ranks[1].kill()  # its 8 s hang has shown what it had to: rank 0 closed without it
+        ranks[1].kill()  # its hang has shown what it had to: rank 0 closed without it
     ranks[1].communicate(timeout=60)
     assert ranks[0].returncode == 0, err
     closed_s = float(out.split("closed in ")[1].split(" s")[0])
@@ -67,7 +65,7 @@ def test_close_waits_for_the_agreement_at_most_its_bound(tmp_path: Path, peer: s
         assert closed_s < 0.5 and "never joined" not in err
     else:
         assert 0.9 <= closed_s < 3.0 and "never joined the last directive agreement" in err
-        assert rank0_s < 8  # it did not wait for the hung peer's exit either
+        assert peer_still_hung  # it did not wait for the hung peer's exit either
 
 
 def test_the_close_wait_is_validated() -> None:
