@@ -146,8 +146,16 @@ class Demo:
             str(port_file),
         ]
         log = self._log("serve.log")
-        # The spike's proposal holds the run until it is decided (``policies.responses``).
-        environ = _environ(RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")
+        # The spike's proposal holds the run until it is decided (``policies.responses``). A
+        # window waits up to 13 s (not 5) for a rank still to report: rank 2 runs its canary
+        # re-runs on the failing device at the bad batch's step, and on a loaded machine its
+        # records came more than 5 s late. The bad batch's rank was then judged against 2 peers
+        # instead of 3, a warning instead of a critical spike, and nothing was held.
+        environ = _environ(
+            RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold",
+            RUNHEALTH_POLICIES__READINESS__WATERMARK_SLACK_S="9",  # 2 flushes of 2 s + 9 s
+            RUNHEALTH_POLICIES__READINESS__WATERMARK_S="13",  # a hook that states no flush interval
+        )
         self.service = subprocess.Popen(command, env=environ, stdout=log, stderr=log)
         deadline = time.monotonic() + 60
         while not port_file.exists():
