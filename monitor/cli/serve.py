@@ -52,15 +52,17 @@ def serve(
     service = prepare_store(config, os.environ)
     sock = bind(host, port)
     bound = sock.getsockname()[1]
-    if port_file is not None:
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(f"{bound}\n")
-        tmp.replace(port_file)
     where = f"admin token in {written}" if written else "admin token from RUNHEALTH_ADMIN_TOKEN"
     typer.echo(f"runhealth serving on http://{host}:{bound} ({where})", err=True)
     store = resolve_url(config.db, os.environ)
     found = this_service(local_url(host, bound), written, store)
     with dying_by_sigterm(), announced(discovery_file or discovery_path(store), found):
+        # Last, after the discovery file: a launcher that waits for the port file finds
+        # everything else in place (a test read the discovery file too early under load).
+        if port_file is not None:
+            tmp = port_file.with_suffix(".tmp")
+            tmp.write_text(f"{bound}\n")
+            tmp.replace(port_file)
         scheduler = start_scheduler(service, config.scheduler)
         try:
             uvicorn_server(service, log_level).run(sockets=[sock])
