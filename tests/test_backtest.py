@@ -2,13 +2,27 @@
 
 import json
 import math
+import os
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from monitor.judge.backtest import BacktestError, backtest, load_series, parse_mapping, report_json
+from monitor.judge import series_files
+from monitor.judge.backtest import (
+    BacktestError,
+    backtest,
+    backtest_file,
+    load_series,
+    normalize,
+    parse_mapping,
+    report_json,
+    series_points,
+)
 from policies.series import SeriesConfig
+from policies.types import StepPoint
 
 CURVES = Path(__file__).parent / "data" / "real-curves"
 
@@ -62,6 +76,24 @@ def test_csv_and_jsonl_give_the_same_report(tmp_path: Path) -> None:
     csv, jsonl = run_file(tmp_path / "s.csv"), run_file(tmp_path / "s.jsonl")
     assert csv["incidents"] == jsonl["incidents"]
     assert [(i["kind"], i["first_step"]) for i in csv["incidents"]] == [("spike", 100)]
+
+
+def test_jsonl_read_in_batches_has_the_keys_of_every_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key first seen in a later batch is a column of every batch (empty before it)."""
+    monkeypatch.setattr(series_files, "BATCH_ROWS", 7)
+    rows = [
+        {**row, "grad_norm": 9.0 if row["step"] == 110 else 1.0} if row["step"] > 50 else row
+        for row in spiky_rows()
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pl.DataFrame([{"grad_norm": None, **row} for row in rows]).select("step", "loss", "grad_norm").write_csv(
+        tmp_path / "s.csv"
+    )
+    jsonl, csv = run_file(tmp_path / "s.jsonl"), run_file(tmp_path / "s.csv")
+    assert {**jsonl, "file": ""} == {**csv, "file": ""}
+    assert [(f["step"], f["signal"]) for f in jsonl["findings"]] == [(100, "loss"), (110, "grad_norm")]
 
 
 def test_empty_cell_is_not_logged_and_nan_is_a_nan(tmp_path: Path) -> None:
@@ -182,3 +214,209 @@ def test_a_jsonl_line_that_is_not_json_names_its_line(tmp_path: Path) -> None:
     path.write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": \n')
     with pytest.raises(BacktestError, match="line 2"):
         run_file(path)
+
+
+def test_a_ragged_row_is_one_line_naming_its_line(tmp_path: Path) -> None:
+    """polars says "found more fields than defined in 'Schema'" and a hint, on three lines."""
+    path = tmp_path / "ragged.csv"
+    path.write_text("step,loss\n1,2.0\n2,2.0,5\n3,2.0\n")
+    with pytest.raises(BacktestError) as raised:
+        run_file(path)
+    assert str(raised.value) == f"cannot read {path}: line 3 has 3 fields, the header 2"
+
+
+@pytest.mark.parametrize("kind", ["directory", "mode 000", "read error"])
+def test_an_unreadable_file_is_one_line(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "x.csv"
+    if kind == "directory":
+        path.mkdir()
+        expected = "it is a directory"
+    elif kind == "mode 000":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a file of mode 000 (tests/test_cli.py simulates the refusal)")
+        path.write_text("step,loss\n1,2.0\n")
+        path.chmod(0)
+        expected = "Permission denied"
+    else:
+        if not Path("/proc/self/mem").exists():
+            pytest.skip("no /proc/self/mem")
+        path.symlink_to("/proc/self/mem")  # opens, then every read fails
+        expected = "Input/output error"
+    with pytest.raises(BacktestError) as raised:
+        run_file(path)
+    assert str(raised.value) == f"cannot read {path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "content", "message"),
+    [
+        (".csv", bytes(3 << 20), "a NUL byte at line 1 (byte 0): not a text file"),
+        (".csv", b"step,loss\n1,2.0\n" + bytes(100), "a NUL byte at line 3 (byte 16): not a text file"),
+        (".jsonl", b'{"step": 1, "loss": 2.0}\n\0', "a NUL byte at line 2 (byte 25): not a text file"),
+        (".csv", b"step,loss\n1," + b"9" * (2 << 20) + b"\n", "line 2 is longer than 1 MiB: not a log"),
+        (".csv", b"step,loss\n1,2.0\n\xff\xfe,3\n", "invalid utf-8 sequence"),
+        (".jsonl", b'{"step": 1, "loss": 2.0}\n\xff\xfe\n', "not UTF-8 text (invalid start byte)"),
+        (".csv", b"", "empty CSV"),
+    ],
+    ids=[
+        "NUL bytes",
+        "NUL bytes after rows",
+        "NUL in JSONL",
+        "overlong line",
+        "not UTF-8",
+        "JSONL not UTF-8",
+        "empty",
+    ],
+)
+def test_a_file_that_is_not_text_is_one_line(
+    tmp_path: Path, suffix: str, content: bytes, message: str
+) -> None:
+    path = (tmp_path / "bad").with_suffix(suffix)
+    path.write_bytes(content)
+    with pytest.raises(BacktestError) as raised:
+        run_file(path)
+    assert str(raised.value) == f"cannot read {path}: {message}"
+
+
+def test_two_gigabytes_of_nul_bytes_are_refused_from_the_first_megabyte(tmp_path: Path) -> None:
+    """The issue's 2 GB NUL file ran 75 s to 8.2 GB: polars held it as one line. A sparse file
+    costs no disk; the refusal reads one chunk."""
+    path = tmp_path / "zeros.csv"
+    with path.open("wb") as zeros:
+        zeros.truncate(2 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(BacktestError, match="a NUL byte at line 1"):
+            run_file(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+
+
+@pytest.mark.parametrize("block_bytes", [1, 2, 3, 5, 8, 13, 21, 34])
+def test_a_csv_read_in_blocks_is_read_as_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_bytes: int
+) -> None:
+    """Blocks are cut at record ends (a line break outside quotes) and each is read after the
+    header: quoted line breaks, blank lines, CRLF, a byte-order mark, no final line break."""
+    monkeypatch.setattr(series_files, "BLOCK_BYTES", block_bytes)
+    texts = [
+        'step,loss,note\n1,2.0,"a,b\nc"\n\n2,,"x ""q"" y"\n3\n4,nan,\n',
+        "\ufeffstep,loss\r\n\r\n1,2.0\r\n2,3.0\r\n\r\n",
+        'step,"lo\nss"\n1,2\n"2",3',
+        "step,loss\n",
+        "step,loss",
+    ]
+    for number, text in enumerate(texts):
+        path = tmp_path / f"{number}.csv"
+        path.write_text(text, newline="")
+        whole = pl.read_csv(path, infer_schema=False)
+        text_file = series_files.open_text_file(path)
+        blocks = list(text_file.batches(text_file.columns))
+        assert text_file.columns == tuple(whole.columns)
+        assert [row for block in blocks for row in block.rows()] == whole.rows(), text
+
+
+def whole_file_series(path: Path) -> tuple[list[tuple[str | None, tuple[StepPoint, ...]]], list[str]]:
+    """The reading before streaming: the whole file in one frame, then each incarnation's
+    windows held until it ends."""
+    table, notes = normalize(pl.read_csv(path, infer_schema=False), {})
+    has_skipped = "skipped" in table.columns
+    if "run" not in table.columns:
+        return [(None, tuple(series_points(list(table.iter_rows(named=True)), has_skipped)))], notes
+    names = list(dict.fromkeys(table["run"].drop_nulls().to_list()))
+    groups = [(name, table.filter(pl.col("run") == name)) for name in names]
+    return [
+        (name, tuple(series_points(list(g.iter_rows(named=True)), has_skipped))) for name, g in groups
+    ], notes
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CURVES.glob("*.csv") if p.name != "labels.csv"))
+def test_streamed_real_curves_equal_the_whole_file_reading(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(series_files, "BLOCK_BYTES", 4099)  # many block boundaries, none aligned
+    loaded = load_series(CURVES / name, {}, None)
+    expected, notes = whole_file_series(CURVES / name)
+    assert loaded.notes == notes
+    # repr: a NaN loss is equal to itself only as text
+    assert [(s.run, repr(s.points)) for s in loaded.series] == [(run, repr(p)) for run, p in expected]
+
+
+def rank_rows(order: str) -> list[dict]:
+    """Three ranks; a restart onto step 20 after step 30 where rank 2 no longer logs; a NaN on
+    one rank; uneven tokens. Written step by step, rank after rank, or with each rank lagging."""
+    incarnations = [
+        [(s, r) for s in range(1, 31) for r in (0, 1, 2)],
+        [(s, r) for s in range(20, 41) for r in (0, 1)],
+    ]
+    rows = []
+    for number, cells in enumerate(incarnations):
+        if order == "rank after rank":
+            cells = sorted(cells, key=lambda cell: (cell[1], cell[0]))
+        elif order == "lagging":
+            cells = sorted(cells, key=lambda cell: (cell[0] + 3 * cell[1], cell[1]))
+        for position, (step, rank) in enumerate(cells):
+            loss = math.nan if (step, rank) == (12, 1) else 2.0 + 0.01 * ((step * 7 + rank) % 5)
+            rows.append(
+                {
+                    "step": step,
+                    "rank": rank,
+                    "loss": loss,
+                    "tokens": 1000 * (rank + 1),
+                    "restart": number == 1 and position == 0,
+                }
+            )
+    return rows
+
+
+@pytest.mark.parametrize("order", ["step by step", "rank after rank", "lagging"])
+def test_handing_windows_on_early_folds_every_layout_as_holding_them(order: str) -> None:
+    rows = rank_rows(order)
+    held = tuple(series_points(rows, has_skipped=False))
+    streamed = tuple(series_points(rows, has_skipped=False, ranks={0, 1, 2}))
+    assert repr(streamed) == repr(held)
+    assert len(held) == 30 + 21 and sum(p.restart for p in held) == 1
+
+
+def test_a_file_written_step_by_step_is_judged_as_it_is_read() -> None:
+    """Memory holds the windows between the rows read and the points handed on: a few dozen,
+    not the file."""
+    steps, ranks = 5_000, 4
+    rows_read = 0
+
+    def read(rows: Iterator[dict]) -> Iterator[dict]:
+        nonlocal rows_read
+        for row in rows:
+            rows_read += 1
+            yield row
+
+    rows = (
+        {"step": s, "rank": r, "loss": 2.0, "tokens": 10} for s in range(1, steps + 1) for r in range(ranks)
+    )
+    held = [rows_read // ranks - point.step for point in series_points(read(rows), False, set(range(ranks)))]
+    assert len(held) == steps
+    assert max(held) <= 64 // ranks + 1
+
+
+def test_a_run_column_without_a_run_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    path.write_text("step,loss,run\n1,2.0,\n")
+    with pytest.raises(BacktestError, match="the 'run' column names no run"):
+        run_file(path)
+
+
+def test_the_command_path_reads_the_file_as_it_judges(tmp_path: Path) -> None:
+    """``backtest_file`` (what the CLI runs) and ``load_series`` then ``backtest`` agree, on a
+    file of several runs and ranks."""
+    rows = [{**row, "run": "a"} for row in rank_rows("lagging")]
+    rows += [
+        {**row, "run": "b", "loss": 9.0 if row["step"] == 35 else row["loss"]}
+        for row in rank_rows("step by step")
+    ]
+    pl.DataFrame(rows).write_csv(tmp_path / "runs.csv")
+    reports, notes = backtest_file(tmp_path / "runs.csv", {}, None, SeriesConfig())
+    streamed = report_json(reports, notes, tmp_path / "runs.csv")
+    assert json.dumps(streamed) == json.dumps(run_file(tmp_path / "runs.csv"))  # NaN: as text
+    assert streamed["run"] == ["a", "b"] and streamed["steps"] == 2 * 51

@@ -3,9 +3,11 @@
 import io
 import json
 import math
+import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -194,6 +196,39 @@ def test_user_errors_are_one_line_and_exit_2(
     assert code == 2
     assert err.startswith("runhealth: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", ["ragged row", "directory", "NUL bytes", "not readable"])
+def test_backtest_of_a_file_it_cannot_read_is_one_line_and_exit_2(
+    tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: polars' ragged-row error and hint on three lines, and click's usage box for a
+    file the user may not read."""
+    path = tmp_path / "bad.csv"
+    if bad == "ragged row":
+        path.write_text("step,loss\n1,2.0\n2,2.0,5\n")
+    elif bad == "directory":
+        path.mkdir()
+    elif bad == "NUL bytes":
+        path.write_bytes(bytes(1000))
+    else:
+        # Root (these tests' usual user) reads anything: refuse as the system refuses another user.
+        path.write_text("step,loss\n1,2.0\n")
+        access, open_path = os.access, Path.open
+
+        def refused_access(name: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+            return False if Path(name) == path else access(name, mode, *args, **kwargs)
+
+        def refused_open(self: Path, *args: Any, **kwargs: Any) -> Any:
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(path))
+            return open_path(self, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", refused_access)
+        monkeypatch.setattr(Path, "open", refused_open)
+    code, out, err = cli_result(capsys, "backtest", str(path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"runhealth: error: cannot read {path}: ") and err.count("\n") == 1, err
 
 
 def test_usage_errors_exit_nonzero_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:

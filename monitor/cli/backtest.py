@@ -10,7 +10,7 @@ import typer
 
 from monitor.cli.options import JsonOption
 from monitor.cli.render import UserError, out, print_json, table
-from monitor.judge.backtest import backtest, load_series, parse_mapping, report_json
+from monitor.judge.backtest import backtest_file, parse_mapping, report_json
 from policies.series import SeriesConfig
 from policies.spike import SpikeConfig
 
@@ -21,7 +21,8 @@ PRESETS: Mapping[str, Callable[[], SpikeConfig]] = {
 
 
 def backtest_command(
-    file: Path,
+    # Not click's readable check: its refusal is a usage box; the reader's is one line.
+    file: Annotated[Path, typer.Argument(readable=False)],
     run: Annotated[str | None, typer.Option(help="Only this run (when the file has a run column).")] = None,
     column: Annotated[
         list[str] | None,
@@ -36,9 +37,10 @@ def backtest_command(
     """Run the policies over a recorded series (CSV or JSONL with a step column)."""
     if preset not in PRESETS:
         raise UserError(f"--preset must be one of {', '.join(PRESETS)}, not {preset!r}")
-    loaded = load_series(file, parse_mapping(column or []), run)
-    reports = backtest(loaded, SeriesConfig(loss_spike=PRESETS[preset]()))
-    document = report_json(reports, loaded.notes, file)
+    config = SeriesConfig(loss_spike=PRESETS[preset]())
+    # The file is read as it is judged: memory holds the findings, not the file.
+    reports, notes = backtest_file(file, parse_mapping(column or []), run, config)
+    document = report_json(reports, notes, file)
     if as_json:
         print_json(document)
         return

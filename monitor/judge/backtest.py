@@ -1,22 +1,29 @@
-"""``runhealth backtest``: load a recorded series (CSV or JSONL) and run the policies over it.
+"""``runhealth backtest``: a recorded series (CSV or JSONL) through the policies, in bounded memory.
 
 An empty cell is "not logged"; ``nan`` is a NaN. A row with ``restart`` = 1 (or a new
 ``incarnation`` value, or a step lower than that rank's previous one) begins a new
 incarnation. Rows of several ranks at one step are folded into one window exactly as the
 live engine folds step records (``monitor.judge.summaries.fold``).
+
+The file is read in batches (``monitor.judge.series_files``) and each window is handed to the
+policies as soon as no later row can fold into it, so memory holds the policies' state, the
+findings and the windows still open, never the file. A file of several runs is read once per
+run, after one pass over its ``run`` and ``rank`` columns.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from monitor.judge.readings import point_from_summary
+from monitor.judge.series_files import BacktestError as BacktestError  # raised here, caught by the CLI
+from monitor.judge.series_files import TextFile, open_text_file
 from monitor.judge.summaries import empty_summary, fold
 from policies.backtest import BacktestResult, backtest_series
 from policies.series import SeriesConfig
@@ -28,10 +35,11 @@ FLAG_FIELDS = ("skipped", "restart")
 TEXT_FIELDS = ("incarnation", "run")
 FIELDS = FLOAT_FIELDS + INT_FIELDS + FLAG_FIELDS + TEXT_FIELDS
 SIGNALS = ("loss", "grad_norm", "lr", "tokens", "loss_scale", "skipped")
-
-
-class BacktestError(ValueError):
-    """A file that cannot be backtested as given; the message names the column and row."""
+KINDS: Mapping[str, pl.DataType] = {
+    **{name: pl.Float64() for name in FLOAT_FIELDS},
+    **{name: pl.Int64() for name in INT_FIELDS},
+    **{name: pl.Boolean() for name in FLAG_FIELDS},
+}
 
 
 @dataclass(frozen=True)
@@ -58,58 +66,10 @@ def parse_mapping(pairs: list[str]) -> dict[str, str]:
     return mapping
 
 
-def read_table(path: Path) -> pl.DataFrame:
-    if not path.is_file():
-        raise BacktestError(f"no such file: {path}")
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".jsonl", ".ndjson"):
-            try:
-                frame = pl.read_ndjson(path, infer_schema_length=None)
-            except pl.exceptions.PolarsError:
-                # Python's json writes a NaN as a bare ``NaN`` (and ``Infinity``), which is not
-                # JSON and which polars refuses; the stdlib reads it back as the float it was.
-                frame = read_jsonl_lines(path)
-            # JSON numbers arrive typed; text keeps one parsing path for both formats.
-            return frame.select(pl.all().cast(pl.String))
-        if suffix in (".csv", ".tsv", ".txt"):
-            separator = "\t" if suffix == ".tsv" else ","
-            return pl.read_csv(path, infer_schema=False, separator=separator)
-    except (pl.exceptions.PolarsError, OSError) as exc:
-        raise BacktestError(f"cannot read {path}: {exc}") from exc
-    raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file")
-
-
-def read_jsonl_lines(path: Path) -> pl.DataFrame:
-    """A JSONL file read line by line with the stdlib ``json``, which takes ``NaN``,
-    ``Infinity`` and ``-Infinity``; every value as text, as ``read_table`` hands columns on."""
-    rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise BacktestError(f"cannot read {path}: line {number}: {exc}") from exc
-            if not isinstance(row, dict):
-                raise BacktestError(f"cannot read {path}: line {number} is not a JSON object")
-            rows.append({str(key): _as_text(value) for key, value in row.items()})
-    return pl.DataFrame(rows, schema={key: pl.String for row in rows for key in row})
-
-
-def _as_text(value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    return repr(value)  # int, or float: nan, inf and -inf read back as floats
-
-
-def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
-    raw = frame[name].cast(pl.String).str.strip_chars()
+def _column(raw: pl.Series, name: str, dtype: pl.DataType, first_row: int) -> pl.Series:
+    """A text column as ``dtype``; a value that is not one names its row (counted from the
+    file's first row, ``first_row`` rows before this batch)."""
+    raw = raw.cast(pl.String).str.strip_chars()
     raw = raw.replace("", None)
     if dtype == pl.Boolean:
         lowered = raw.str.to_lowercase()
@@ -129,8 +89,10 @@ def _column(frame: pl.DataFrame, name: str, dtype: pl.DataType) -> pl.Series:
             converted = converted.cast(pl.Int64, strict=False)
     if bad.any():
         row = int(bad.arg_true()[0])
-        raise BacktestError(f"column {name!r}, row {row + 1}: {raw[row]!r} is not a valid {dtype} value")
-    return converted
+        raise BacktestError(
+            f"column {name!r}, row {first_row + row + 1}: {raw[row]!r} is not a valid {dtype} value"
+        )
+    return converted.alias(name)
 
 
 # Names other tools log these fields under (Megatron, transformers, W&B exports), read as the
@@ -178,50 +140,159 @@ def recognized_names(columns: list[str]) -> tuple[dict[str, str], list[str]]:
     return renames, notes
 
 
-def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataFrame, list[str]]:
-    frame = frame.rename({src: dst for src, dst in mapping.items() if src in frame.columns})
-    missing_sources = [
-        src for src in mapping if src not in frame.columns and mapping[src] not in frame.columns
-    ]
+@dataclass(frozen=True)
+class Layout:
+    """How a file's columns are read: the column each field comes from, and what was said."""
+
+    sources: Mapping[str, str]
+    """field -> the file's column, in ``FIELDS`` order, for every field the file has."""
+    notes: tuple[str, ...]
+
+
+def layout(columns: Sequence[str], mapping: Mapping[str, str]) -> Layout:
+    """The fields of a file with these columns: ``--column`` mappings first, then the names
+    other tools use (``COMMON_NAMES``); a file with no step or no signal is refused here."""
+    mapped = [mapping.get(name, name) for name in columns]
+    missing_sources = [src for src in mapping if src not in mapped and mapping[src] not in mapped]
     notes = [f"--column {src}: no such column" for src in missing_sources]
-    renames, recognized = recognized_names(frame.columns)
-    frame = frame.rename(renames)
+    renames, recognized = recognized_names(mapped)
     notes += recognized
-    if "step" not in frame.columns:
+    named = [renames.get(name, name) for name in mapped]
+    twice = sorted({name for name in named if named.count(name) > 1 and name in FIELDS})
+    if twice:
+        raise BacktestError(f"several columns would be read as {twice[0]!r}: map only one with --column")
+    if "step" not in named:
         hints = "".join(f"; {note}" for note in notes if note.startswith("several columns could be step"))
         raise BacktestError(f"the file has no 'step' column (map one with --column SRC=step){hints}")
-    ignored = [name for name in frame.columns if name not in FIELDS]
+    ignored = [name for name in named if name not in FIELDS]
     if ignored:
         notes.append("ignored columns: " + ", ".join(ignored))
-    kinds: dict[str, pl.DataType] = {
-        **{n: pl.Float64() for n in FLOAT_FIELDS},
-        **{n: pl.Int64() for n in INT_FIELDS},
-        **{n: pl.Boolean() for n in FLAG_FIELDS},
-    }
+    if not any(name in named for name in SIGNALS):
+        hints = "".join(f"; {note}" for note in notes if note.startswith("several columns"))
+        raise BacktestError(f"the file has none of the signals {', '.join(SIGNALS)}{hints}")
+    source_of = dict(zip(named, columns, strict=True))
+    sources = {name: source_of[name] for name in FIELDS if name in source_of}
+    return Layout(sources, tuple(notes))
+
+
+def convert(frame: pl.DataFrame, fields: Layout, first_row: int = 0) -> pl.DataFrame:
+    """A batch of text rows as typed fields; a bad value names its row in the file."""
     columns = []
-    for name in FIELDS:
-        if name not in frame.columns:
-            continue
+    for name, source in fields.sources.items():
         if name in TEXT_FIELDS:
-            columns.append(frame[name].cast(pl.String).alias(name))
+            columns.append(frame[source].cast(pl.String).alias(name))
         else:
-            columns.append(_column(frame, name, kinds[name]).alias(name))
+            columns.append(_column(frame[source], name, KINDS[name], first_row))
     table = pl.DataFrame(columns)
     if table["step"].null_count():
         row = int(table["step"].is_null().arg_true()[0])
-        raise BacktestError(f"column 'step', row {row + 1}: every row needs a step")
-    if not any(name in table.columns for name in SIGNALS):
-        hints = "".join(f"; {note}" for note in notes if note.startswith("several columns"))
-        raise BacktestError(f"the file has none of the signals {', '.join(SIGNALS)}{hints}")
-    return table, notes
+        raise BacktestError(f"column 'step', row {first_row + row + 1}: every row needs a step")
+    return table
 
 
-def series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[StepPoint]:
-    """Fold rows into one point per (incarnation, step) window, in first-seen order."""
+def normalize(frame: pl.DataFrame, mapping: Mapping[str, str]) -> tuple[pl.DataFrame, list[str]]:
+    """A whole table at once (the streamed reading does the same batch by batch)."""
+    fields = layout(frame.columns, mapping)
+    return convert(frame, fields), list(fields.notes)
+
+
+@dataclass(frozen=True)
+class SeriesFile:
+    """A checked file, its layout, and the ranks each run logs under (``None``: no run column)."""
+
+    text: TextFile
+    fields: Layout
+    ranks: Mapping[str | None, frozenset[int]]
+
+    def run_names(self, run: str | None) -> list[str | None]:
+        """The runs to judge, first seen first: ``run`` alone when given."""
+        if "run" not in self.fields.sources:
+            return [run]
+        names = list(self.ranks)
+        if run is not None:
+            if run not in names:
+                raise BacktestError(
+                    f"no run {run!r} in {self.text.path} (runs: {', '.join(map(str, names))})"
+                )
+            return [run]
+        if not names:
+            raise BacktestError(f"{self.text.path}: the 'run' column names no run")
+        return names
+
+    def rows(self, run: str | None) -> Iterator[dict[str, Any]]:
+        """The typed rows of ``run`` (every row without a run column), in file order."""
+        first_row = 0
+        for batch in self.text.batches(list(self.fields.sources.values())):
+            table = convert(batch, self.fields, first_row)
+            first_row += batch.height
+            if "run" in table.columns:
+                table = table.filter(pl.col("run") == run)
+            yield from table.iter_rows(named=True)
+
+    def points(self, run: str | None) -> Iterator[StepPoint]:
+        key = run if "run" in self.fields.sources else None
+        has_skipped = "skipped" in self.fields.sources
+        return series_points(self.rows(run), has_skipped, self.ranks[key])
+
+
+def open_series_file(path: Path, mapping: Mapping[str, str]) -> SeriesFile:
+    text = open_text_file(path)
+    fields = layout(text.columns, mapping)
+    return SeriesFile(text, fields, _ranks_by_run(text, fields))
+
+
+def _ranks_by_run(text: TextFile, fields: Layout) -> dict[str | None, frozenset[int]]:
+    """One pass over the ``run`` and ``rank`` columns: each run's ranks (an empty rank is 0), the
+    runs first seen first. Without either column, nothing is read."""
+    has_run, has_rank = "run" in fields.sources, "rank" in fields.sources
+    if not has_run and not has_rank:
+        return {None: frozenset({0})}
+    ranks: dict[str | None, set[int]] = {}
+    first_row = 0
+    for batch in text.batches([fields.sources[name] for name in ("run", "rank") if name in fields.sources]):
+        runs = (
+            batch[fields.sources["run"]].cast(pl.String)
+            if has_run
+            else pl.repeat(None, batch.height, dtype=pl.String, eager=True)
+        )
+        numbers = (
+            _column(batch[fields.sources["rank"]], "rank", KINDS["rank"], first_row)
+            if has_rank
+            else pl.repeat(None, batch.height, dtype=pl.Int64, eager=True)
+        )
+        first_row += batch.height
+        pairs = pl.DataFrame([runs.alias("run"), numbers.fill_null(0).alias("rank")])
+        if has_run:
+            pairs = pairs.drop_nulls("run")  # a row without a run belongs to none
+        for name, number in pairs.unique(maintain_order=True).iter_rows():
+            ranks.setdefault(name, set()).add(number)
+    if not has_run:
+        return {None: frozenset(ranks.get(None, {0}))}
+    return {name: frozenset(numbers) for name, numbers in ranks.items()}
+
+
+def series_points(
+    rows: Iterable[Mapping[str, Any]], has_skipped: bool, ranks: Collection[int] | None = None
+) -> Iterator[StepPoint]:
+    """Fold rows into one point per (incarnation, step) window, in first-seen order.
+
+    A window is handed on once no later row can fold into it: when its incarnation ends, or,
+    given ``ranks`` (every rank of the series), once each of them has logged a later step in
+    the incarnation (a rank's steps only rise within one; a lower step begins the next). Then
+    only the windows between the slowest rank and the fastest are held: a file written step by
+    step holds a few, one written rank after rank holds an incarnation. Without ``ranks``, each
+    incarnation is held until it ends.
+    """
     incarnation_number = 0
     last_incarnation_value: str | None = None
     last_step_of_rank: dict[int, int] = {}
-    windows: dict[tuple[int, int], dict[str, Any]] = {}
+    # The incarnation's windows not handed on, by step, first seen first; each with whether it
+    # is the first of an incarnation after the first (a restart).
+    open_windows: dict[int, tuple[dict[str, Any], bool]] = {}
+    windows = 0
+    begins_incarnation = False
+    check_every = max(64, len(ranks or ()))  # a closing check looks at every rank once
+    since_check = 0
     for row in rows:
         rank = row.get("rank") or 0
         value = row.get("incarnation")
@@ -231,33 +302,61 @@ def series_points(rows: list[dict[str, Any]], has_skipped: bool) -> Iterator[Ste
         )
         rewound = rank in last_step_of_rank and step < last_step_of_rank[rank]
         if (restarted or rewound) and windows:
+            yield from (_point(summary, restart, has_skipped) for summary, restart in open_windows.values())
+            open_windows.clear()
             incarnation_number += 1
             last_step_of_rank.clear()
+            begins_incarnation = True
         last_incarnation_value = value if value is not None else last_incarnation_value
         last_step_of_rank[rank] = step
         record = _record(row)
         if record is None:
             continue
-        key = (incarnation_number, step)
-        if key not in windows:
-            windows[key] = empty_summary(0, str(incarnation_number), len(windows), record)
-        fold(windows[key], record)
-    seen: set[int] = set()
-    for (number, _), summary in windows.items():
-        point = point_from_summary(summary, restart=number not in seen and number > 0)
-        # A file has no attempt counter, a missing skipped column is "not logged", and a file's
-        # per-rank losses are not what the trainer reported (no normalization audit).
-        yield replace(
-            point,
-            attempt=None,
-            skipped=point.skipped if has_skipped else None,
-            reported_loss=None,
-            naive_loss=None,
-        )
-        seen.add(number)
+        if step not in open_windows:
+            summary = empty_summary(0, str(incarnation_number), windows, record)
+            open_windows[step] = (summary, begins_incarnation)
+            begins_incarnation = False
+            windows += 1
+        fold(open_windows[step][0], record)
+        since_check += 1
+        if ranks is not None and since_check >= check_every:
+            since_check = 0
+            for closed in list(islice(open_windows, _closed(open_windows, last_step_of_rank, ranks))):
+                yield _point(*open_windows.pop(closed), has_skipped)
+    yield from (_point(summary, restart, has_skipped) for summary, restart in open_windows.values())
 
 
-def _record(row: dict[str, Any]) -> dict[str, Any] | None:
+def _closed(
+    open_windows: Mapping[int, Any], last_step_of_rank: Mapping[int, int], ranks: Collection[int]
+) -> int:
+    """How many of the first open windows no later row of the incarnation can reach: those
+    before every rank's last step (none while a rank has not logged in the incarnation)."""
+    if any(rank not in last_step_of_rank for rank in ranks):
+        return 0
+    watermark = min(last_step_of_rank[rank] for rank in ranks)
+    count = 0
+    for step in open_windows:
+        if step >= watermark:
+            break
+        count += 1
+    return count
+
+
+def _point(summary: dict[str, Any], restart: bool, has_skipped: bool) -> StepPoint:
+    """A window as the policies' point. A file has no attempt counter, a missing skipped column
+    is "not logged", and a file's per-rank losses are not what the trainer reported (no
+    normalization audit)."""
+    point = point_from_summary(summary, restart=restart)
+    return replace(
+        point,
+        attempt=None,
+        skipped=point.skipped if has_skipped else None,
+        reported_loss=None,
+        naive_loss=None,
+    )
+
+
+def _record(row: Mapping[str, Any]) -> dict[str, Any] | None:
     """A row as a step record, or ``None`` when it logged no signal at all."""
     if all(row.get(name) is None for name in SIGNALS):
         return None
@@ -277,21 +376,11 @@ def _record(row: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def load_series(path: Path, mapping: Mapping[str, str], run: str | None) -> LoadedFile:
-    table, notes = normalize(read_table(path), mapping)
-    if "run" in table.columns:
-        names = list(dict.fromkeys(table["run"].drop_nulls().to_list()))
-        if run is not None:
-            if run not in names:
-                raise BacktestError(f"no run {run!r} in {path} (runs: {', '.join(names)})")
-            names = [run]
-        groups = [(name, table.filter(pl.col("run") == name)) for name in names]
-    else:
-        groups = [(run, table)]
-    series = [
-        Series(name, tuple(series_points(list(group.iter_rows(named=True)), "skipped" in table.columns)))
-        for name, group in groups
-    ]
-    return LoadedFile(series=series, notes=notes)
+    """Every series of the file as a tuple of points (for tests and benchmarks: memory grows
+    with the file; ``backtest_file`` does not hold the points)."""
+    series_file = open_series_file(path, mapping)
+    series = [Series(name, tuple(series_file.points(name))) for name in series_file.run_names(run)]
+    return LoadedFile(series=series, notes=list(series_file.fields.notes))
 
 
 @dataclass(frozen=True)
@@ -302,6 +391,18 @@ class BacktestReport:
 
 def backtest(loaded: LoadedFile, config: SeriesConfig) -> list[BacktestReport]:
     return [BacktestReport(s.run, backtest_series(s.points, config)) for s in loaded.series]
+
+
+def backtest_file(
+    path: Path, mapping: Mapping[str, str], run: str | None, config: SeriesConfig
+) -> tuple[list[BacktestReport], list[str]]:
+    """The policies over each series of the file as it is read: the reports and the notes."""
+    series_file = open_series_file(path, mapping)
+    reports = [
+        BacktestReport(name, backtest_series(series_file.points(name), config))
+        for name in series_file.run_names(run)
+    ]
+    return reports, list(series_file.fields.notes)
 
 
 def report_json(reports: list[BacktestReport], notes: list[str], path: Path) -> dict[str, Any]:
