@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from policies.peers import PHASES, Floats, RankWindow, peer_median
+from policies.peers import PHASES, Floats, Ints, RankWindow, peer_median
 from policies.types import Finding, Severity
 
 OWN_WALL = "own_wall"
@@ -134,7 +134,9 @@ class StragglerConfig:
 
 @dataclass(frozen=True)
 class StragglerState:
-    """Per rank id (array index): smoothed log-ratio per phase and windows observed."""
+    """Per rank seen (``rank_ids``, sorted; every array is aligned with it): smoothed log-ratio
+    per phase and windows observed. Indexed by the ranks seen, not by rank id: dense arrays
+    by id grew the service by 127 MB for one record of rank 1,000,000."""
 
     smoothed: dict[str, Floats] = field(default_factory=dict)
     observed: Floats = field(default_factory=lambda: np.zeros(0))
@@ -143,6 +145,7 @@ class StragglerState:
     flagged: frozenset[int] = frozenset()
     below: Floats = field(default_factory=lambda: np.zeros(0))
     """Consecutive windows each flagged rank's score has been below ``recover_ratio``."""
+    rank_ids: Ints = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     typical: dict[str, float] = field(default_factory=dict)
     """Each judged phase's typical seconds (and the step's, under ``STEP``): the smoothed log
     of the ranks' median, which the floors are checked against. Checked against one window's
@@ -150,12 +153,26 @@ class StragglerState:
     stray windows only, which are all outliers."""
 
 
-def _grown(array: Floats, size: int) -> Floats:
-    if len(array) >= size:
-        return array.copy()
+def _grown(array: Floats, where: Ints, size: int) -> Floats:
+    """``array`` (aligned with the old rank ids) moved to positions ``where`` of ``size``."""
     grown = np.zeros(size)
-    grown[: len(array)] = array
+    if len(array):
+        grown[where] = array
     return grown
+
+
+def _placed(known: Ints, ranks: Ints) -> tuple[Ints, Ints, Ints]:
+    """The rank ids after this window (sorted), where the known ones move to, and where each
+    of the window's ranks is. Usually every rank is known already: no union to build."""
+    at = np.searchsorted(known, ranks)
+    if (
+        len(known)
+        and np.all(at < len(known))
+        and np.array_equal(known[np.minimum(at, len(known) - 1)], ranks)
+    ):
+        return known, np.arange(len(known)), at
+    ids = np.union1d(known, ranks).astype(np.int64)
+    return ids, np.searchsorted(ids, known), np.searchsorted(ids, ranks)
 
 
 @dataclass(frozen=True)
@@ -215,14 +232,15 @@ def _judged_phases(typical: dict[str, float], config: StragglerConfig) -> set[st
 def observe_stragglers(
     state: StragglerState, window: RankWindow, config: StragglerConfig
 ) -> tuple[StragglerState, tuple[Finding, ...]]:
-    size = int(window.ranks.max()) + 1 if len(window.ranks) else 0
-    smoothed = {p: _grown(state.smoothed.get(p, np.zeros(0)), size) for p in config.phases}
-    observed = _grown(state.observed, size)
+    ids, moved, position = _placed(state.rank_ids, window.ranks)
+    size = len(ids)
+    smoothed = {p: _grown(state.smoothed.get(p, np.zeros(0)), moved, size) for p in config.phases}
+    observed = _grown(state.observed, moved, size)
     judged = judged_times(window, config.phases)
     typical = _typical(state.typical, window, judged, config.alpha)
     long_enough = _judged_phases(typical, config)
     for members in window.peer_groups(config.min_peers):
-        ranks = window.ranks[members]
+        ranks = position[members]
         for phase, seconds in judged.items():
             times = seconds[members]
             center = peer_median(seconds, members)
@@ -234,31 +252,34 @@ def observe_stragglers(
             smoothed[phase][ranks[ok]] = previous + config.alpha * (ratio - previous)
         observed[ranks] += 1
     limits = {p: config.thresholds(p, host_timed=OWN_WALL in typical) for p in smoothed}
-    scores = _nearest_thresholds(smoothed, observed, limits, config.min_windows)
-    above, below = _grown(state.above, size), _grown(state.below, size)
-    over = {r for r, s in scores.items() if s.ratio >= limits[s.phase][0]}
+    scores = _nearest_thresholds(smoothed, observed, limits, config.min_windows, ids)  # by position
+    above, below = _grown(state.above, moved, size), _grown(state.below, moved, size)
+    over = {i for i, s in scores.items() if s.ratio >= limits[s.phase][0]}
+    was_flagged = {int(i) for i in np.searchsorted(ids, sorted(state.flagged))}
     slow = _persisting(above, over, config.persist)
-    quiet = {r for r in state.flagged if r in scores and _quiet(smoothed, r, limits)}
-    recovered = _persisting(below, quiet, config.recover_windows) & state.flagged
-    flagged = (set(state.flagged) - recovered) | slow
+    quiet = {i for i in was_flagged if i in scores and _quiet(smoothed, i, limits)}
+    recovered = _persisting(below, quiet, config.recover_windows) & was_flagged
+    flagged = (was_flagged - recovered) | slow
     below[list(recovered)] = 0  # counted again from the next episode
-    found = [_finding(window, scores[r], limits) for r in sorted(slow - set(state.flagged))]
-    found += [_recovered(window, scores[r]) for r in sorted(recovered)]
-    return StragglerState(smoothed, observed, above, frozenset(flagged), below, typical), tuple(found)
+    found = [_finding(window, scores[i], limits) for i in sorted(slow - was_flagged)]
+    found += [_recovered(window, scores[i]) for i in sorted(recovered)]
+    flagged_ids = frozenset(int(ids[i]) for i in flagged)
+    return StragglerState(smoothed, observed, above, flagged_ids, below, ids, typical), tuple(found)
 
 
 Limits = dict[str, tuple[float, float]]  # phase -> (flagging, recovery) ratio
 
 
 def _nearest_thresholds(
-    smoothed: dict[str, Floats], observed: Floats, limits: Limits, min_windows: int
+    smoothed: dict[str, Floats], observed: Floats, limits: Limits, min_windows: int, ids: Ints
 ) -> dict[int, StragglerScore]:
-    """Each judged rank's phase furthest past (or nearest to) its own flagging threshold."""
+    """Each judged rank's phase furthest past (or nearest to) its own flagging threshold, by
+    its position in ``ids``."""
     logs = {p: math.log(limits[p][0]) for p in smoothed}
     scores = {}
-    for rank in np.flatnonzero(observed >= min_windows):
-        phase = max(smoothed, key=lambda p: smoothed[p][rank] - logs[p])
-        scores[int(rank)] = StragglerScore(int(rank), phase, math.exp(float(smoothed[phase][rank])))
+    for at in np.flatnonzero(observed >= min_windows):
+        phase = max(smoothed, key=lambda p: smoothed[p][at] - logs[p])
+        scores[int(at)] = StragglerScore(int(ids[at]), phase, math.exp(float(smoothed[phase][at])))
     return scores
 
 
@@ -277,14 +298,13 @@ def _persisting(counts: Floats, now: set[int], windows: int) -> set[int]:
     return {int(r) for r in np.flatnonzero(counts >= windows)}
 
 
-def straggler_scores(
-    smoothed: dict[str, Floats], observed: Floats, config: StragglerConfig
-) -> list[StragglerScore]:
+def straggler_scores(state: StragglerState, config: StragglerConfig) -> list[StragglerScore]:
     """Each judged rank's worst phase, as a ratio to its peers' median (1.0 = typical)."""
     scores = []
-    for rank in np.flatnonzero(observed >= config.min_windows):
-        phase = max(smoothed, key=lambda p: smoothed[p][rank])
-        scores.append(StragglerScore(int(rank), phase, math.exp(float(smoothed[phase][rank]))))
+    for at in np.flatnonzero(state.observed >= config.min_windows):
+        phase = max(state.smoothed, key=lambda p: state.smoothed[p][at])
+        ratio = math.exp(float(state.smoothed[phase][at]))
+        scores.append(StragglerScore(int(state.rank_ids[at]), phase, ratio))
     return scores
 
 

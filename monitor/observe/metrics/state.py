@@ -58,5 +58,6 @@ def top_stragglers(state: StragglerState, min_windows: int, k: int) -> list[Stra
     worst = stacked[worst_phase, judged]
     chosen = np.argsort(-worst, kind="stable")[:k]
     return [
-        StragglerScore(int(judged[i]), phases[int(worst_phase[i])], math.exp(float(worst[i]))) for i in chosen
+        StragglerScore(int(state.rank_ids[judged[i]]), phases[int(worst_phase[i])], math.exp(float(worst[i])))
+        for i in chosen
     ]
