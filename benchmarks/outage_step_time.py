@@ -15,7 +15,11 @@ Printed as JSON: per phase, the median, p95 and mean step time; the ratio of the
 median to the up phases'; and at the end, once the last up phase has drained the spool, the
 windows the store holds against those the training ran (none may be missing).
 
-    python benchmarks/outage_step_time.py [--fault kill|stop] [--cycles 3] [--phase-s 8]
+    python benchmarks/outage_step_time.py [--fault kill|stop] [--cycles 3] [--phase-s 8] [--spool-dir D]
+
+``--spool-dir``: where the hook spools (default: a temporary folder), e.g. a small tmpfs that
+fills during the outage (``mount -t tmpfs -o size=200k tmpfs D``): then batches wait in memory
+and the counters say how many were spooled, dropped or dead-lettered.
 
 Target (issue 17): the median step during an outage within 2% of the median outside it.
 """
@@ -127,7 +131,7 @@ def summary(values: list[float]) -> dict[str, Any]:
     }
 
 
-def run(fault: str, cycles: int, phase_s: float, workdir: Path) -> dict[str, Any]:
+def run(fault: str, cycles: int, phase_s: float, workdir: Path, spool: Path | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     pin(TRAINER_CPUS)
     config = BenchmarkConfig()
@@ -138,7 +142,7 @@ def run(fault: str, cycles: int, phase_s: float, workdir: Path) -> dict[str, Any
         token = httpx.post(f"{service.url}/v1/runs", json={"name": "outage"}, timeout=30,
                            headers={"authorization": f"Bearer {service.admin}"}).json()["token"]  # fmt: skip
         environ = {"RUNHEALTH_URL": service.url, "RUNHEALTH_TOKEN": token, "RUNHEALTH_RUN": "outage",
-                   "RUNHEALTH_SPOOL_DIR": str(workdir / "spool")}  # fmt: skip
+                   "RUNHEALTH_SPOOL_DIR": str(spool or workdir / "spool")}  # fmt: skip
         steps: dict[str, list[float]] = {"up": [], "down": []}
         ran = 0
         with RunHealth(model=training.model, optimizer=training.optimizer, environ=environ) as rh:
@@ -184,9 +188,10 @@ def main() -> None:
     parser.add_argument("--fault", choices=("kill", "stop"), default="kill")
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=8.0)
+    parser.add_argument("--spool-dir", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="runhealth-outage-", dir=os.environ.get("TMPDIR")) as workdir:
-        result = run(args.fault, args.cycles, args.phase_s, Path(workdir))
+        result = run(args.fault, args.cycles, args.phase_s, Path(workdir), args.spool_dir)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 
