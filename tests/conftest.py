@@ -16,7 +16,13 @@ from monitor.service import Service
 from monitor.store import migrate
 from monitor.store.db import create_store_engine
 from tests.prometheus_support import RULES, PrometheusServer
+from tests.scheduling import longest_first
 from tests.support import ADMIN_TOKEN, PostgresServer, RunHandle, make_run, require_module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first, for ``make test``'s workers (``tests.scheduling``)."""
+    longest_first(items, config.rootpath)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,50 @@
+"""The order the suite's files are handed to `make test`'s two workers: longest first.
+
+pytest-xdist's ``--dist loadfile`` hands each worker whole files, one more whenever it runs
+low, in collection order; by default it first reorders files by their number of tests, which
+sends the few-test end-to-end files (the long ones) last, where one of them can keep a worker
+busy for minutes after the other has finished. ``make test`` passes ``--no-loadscope-reorder``
+and ``pytest_collection_modifyitems`` (tests/conftest.py) sorts the files by the seconds
+below, longest first: the greedy longest-first schedule, whose make-span is at most 4/3 of the
+best one.
+
+The seconds are each file's total from ``pytest --durations=0`` in a clean worktree (setup,
+call and teardown summed; the run of 2026-12-02 under load, ``-n 2 --dist loadfile``). Only
+their order matters; a file not listed counts as 0 s and keeps its collection order after
+the listed ones. ``tests/test_scheduling.py`` checks every listed file exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FILE_SECONDS: dict[str, float] = {
+    "tests/test_attach_recipes.py": 275.5,
+    "tests/test_recovery_e2e.py": 146.3,
+    "tests/test_multinode.py": 145.3,
+    "tests/test_recovery_holds.py": 135.1,
+    "tests/test_collectors_multirank.py": 108.8,
+    "tests/test_demo.py": 86.3,
+    "tests/test_collectors_transport.py": 71.4,
+    "tests/test_collectors_hf.py": 47.4,
+    "tests/test_restart_loop.py": 37.1,
+    "tests/test_collectors_skip_update.py": 30.4,
+    "tests/test_collectors_agreement.py": 28.1,
+    "tests/test_decisions.py": 26.8,
+    "tests/test_api.py": 26.1,
+    "tests/test_config.py": 25.3,
+    "tests/test_cli_proposals.py": 22.9,
+    "tests/test_prometheus.py": 20.7,
+    "tests/test_collectors_lightning.py": 16.6,
+}
+
+
+def file_of(item: pytest.Item, root: Path) -> str:
+    return Path(item.path).resolve().relative_to(root).as_posix()
+
+
+def longest_first(items: list[pytest.Item], root: Path) -> None:
+    """Sort ``items`` in place by their file's seconds, longest first; stable otherwise."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(file_of(item, root), 0.0))
