@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from collectors.backoff import rank_seed
 from collectors.collectives import Collectives
 from collectors.config import RunHealthConfig, default_run_name
 from collectors.counters import Counters
@@ -157,6 +158,7 @@ def build_sender(
         poll=poll,
         directives=directives,
         prepare=prepare_batch,
+        seed=rank_seed(ids.run, ids.incarnation, identity.rank),  # ranks back off apart
     )
 
 

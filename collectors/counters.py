@@ -13,6 +13,7 @@ COUNTER_NAMES = (
     "replayed",  # spooled records later delivered
     "dead_lettered",  # records the service rejected as invalid, kept with the reason
     "dropped",  # records lost: the spool was at its disk limit, or the queue was full
+    "shed",  # batches the service refused with 429 (shedding load): kept, sent again later
     "heartbeats_sent",
     "heartbeats_failed",  # heartbeats not delivered; the next one supersedes them
     "hook_errors",  # exceptions caught at a hook entry point

@@ -23,7 +23,7 @@ MAX_HEAD = 64 * 1024  # status line and headers; anything longer is not the serv
 class Response:
     """A parsed status and head; the body is read by ``HttpConnection``."""
 
-    __slots__ = ("chunked", "close", "length", "status")
+    __slots__ = ("chunked", "close", "length", "retry_after", "status")
 
     def __init__(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
@@ -34,6 +34,7 @@ class Response:
         self.length: int | None = None
         self.chunked = False
         self.close = parts[0] == b"HTTP/1.0"
+        self.retry_after: str | None = None  # a 429's or 503's word on when to ask again
         for line in lines[1:]:
             name, _, value = line.partition(b":")
             name, value = name.strip().lower(), value.strip().lower()
@@ -43,6 +44,8 @@ class Response:
                 self.chunked = value.endswith(b"chunked")
             elif name == b"connection":
                 self.close = value == b"close"
+            elif name == b"retry-after":
+                self.retry_after = value.decode("latin-1")
 
 
 class HttpConnection:
@@ -57,6 +60,8 @@ class HttpConnection:
         self._host_header = host if default_port else f"{host}:{self._port}"
         self._socket: socket.socket | None = None
         self._buffer = b""
+        self.retry_after: str | None = None
+        """The ``Retry-After`` of the last answer read here (None: it had none)."""
 
     @property
     def is_open(self) -> bool:
@@ -76,6 +81,7 @@ class HttpConnection:
         while 100 <= response.status < 200:  # interim answers (100 Continue): the real one follows
             response = self._read_head()
         content = b"" if method == "HEAD" or response.status in (204, 304) else self._read_body(response)
+        self.retry_after = response.retry_after
         if response.close:
             self.close()
         return response.status, content

@@ -3,6 +3,9 @@
 The training thread only appends to a bounded in-memory queue; everything that can block
 (HTTP, fsync) happens here. Order is kept: while the spool holds anything, new batches join its
 tail instead of overtaking it, and the spool is replayed from its head once the service answers.
+While the service cannot take a batch (down, or shedding load with 429), the sender waits a
+jittered, growing delay (``backoff.py``), and at least what the service's ``Retry-After`` asked,
+before it tries again; the batch waits in the spool meanwhile, so a refusal loses nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from collectors.backoff import Backoff
 from collectors.counters import Counters
 from collectors.spool import MemorySpool, Spool
 from collectors.transport import Delivery, Outcome
@@ -43,8 +47,18 @@ class SenderConfig:
     while a 10,000-rank job sends 2,000 heartbeats a second at most.
     ``queue_records``: 10,000 (a few MB of dicts); the queue only fills if this thread is stuck,
     because it drains the queue to the spool while the service is down. Past it: dropped, counted.
-    ``retry_initial_s``/``retry_max_s``: 0.5 s doubling to 10 s between attempts while the
-    service is down, so an outage costs a few requests a minute, and a restart is noticed soon.
+    ``retry_initial_s``/``retry_max_s``: while the service is down, the n-th failed attempt in a
+    row waits a draw from [0, min(10 s, 0.5 s x 2**n)] (``retry_jitter``: "full jitter", from the
+    AWS Architecture Blog's "Exponential Backoff And Jitter", 2015: of the schemes it simulated
+    for clients competing for one server, the fewest calls and about the shortest time to get
+    through). An outage costs a rank a few requests a minute, a restart is noticed within 10 s,
+    and ranks that lost the service together ask again spread over the interval instead of all
+    at once: each rank draws from a generator seeded by its run, incarnation and rank.
+    ``retry_jitter`` False waits the bound itself, the plain doubling (for comparison).
+    ``retry_after_max_s``: 60 s, the most a service's ``Retry-After`` (on a 429 or 503) is
+    honoured; the sender waits what it asks plus a jittered delay as above, so ranks shed
+    together do not come back together. A longer ask (a proxy's, a misconfigured service's
+    day) would leave the records on disk and the service blind to the run for that long.
     ``replay_batches_per_cycle``: 16, so heartbeats keep their clock during a long replay.
     ``close_timeout_s``: 30 s at close to deliver what is left; the rest stays spooled on disk.
     """
@@ -55,6 +69,8 @@ class SenderConfig:
     queue_records: int = 10_000
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
+    retry_jitter: bool = True
+    retry_after_max_s: float = 60.0
     replay_batches_per_cycle: int = 16
     close_timeout_s: float = 30.0
 
@@ -64,9 +80,10 @@ class SenderConfig:
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
+            "retry_after_max_s": self.retry_after_max_s,
         }
         for name, value in positive.items():
-            if value <= 0:
+            if not value > 0:
                 raise ValueError(f"SenderConfig.{name} must be > 0, got {value}")
         if min(self.batch_records, self.queue_records, self.replay_batches_per_cycle) < 1:
             raise ValueError("SenderConfig: batch, queue and replay sizes must be >= 1")
@@ -89,6 +106,7 @@ class Sender:
         directives: Callable[[list[dict[str, Any]]], None] = lambda items: None,
         prepare: Callable[[list[Draft]], None] = lambda drafts: None,
         clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
     ) -> None:
         self._config = config
         self._transport = transport
@@ -106,7 +124,13 @@ class Sender:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runhealth-sender", daemon=True)
         self._down_until = 0.0
-        self._backoff = config.retry_initial_s
+        # Why it is down: True when the service answered 429 (it is up, shedding load), so
+        # heartbeats still go: a rank whose heartbeats stopped would look hung.
+        self._shed = False
+        # ``seed``: the rank's (``backoff.rank_seed``), so ranks draw different delays.
+        self._backoff = Backoff(
+            config.retry_initial_s, config.retry_max_s, jitter=config.retry_jitter, seed=seed
+        )
         self._next_heartbeat = 0.0
         self._logged: set[str] = set()
 
@@ -180,8 +204,11 @@ class Sender:
         self._maybe_heartbeat(force=True)  # the last word: the rank's final phase
 
     def _sleep_s(self) -> float:
-        until_heartbeat = self._next_heartbeat - self._clock()
-        return max(0.0, min(self._config.flush_interval_s, until_heartbeat))
+        now = self._clock()
+        wait = min(self._config.flush_interval_s, self._next_heartbeat - now)
+        if self._down_until > now:  # wake when the drawn delay ends, not at the next flush:
+            wait = min(wait, self._down_until - now)  # ranks' flushes tick together
+        return max(0.0, wait)
 
     # Delivery.
 
@@ -226,7 +253,9 @@ class Sender:
                 self._directives(delivery.directives)
             return []
         if delivery.outcome is Outcome.RETRY:
-            self._mark_down(delivery.reason)
+            if delivery.status == 429:
+                self._counters.add("shed")
+            self._mark_down(delivery)
             return list(records)
         return self._rejected(records, delivery, counter)
 
@@ -312,7 +341,7 @@ class Sender:
         record = self._heartbeat()
         if record is None:
             return
-        if self._down():
+        if self._down() and not self._shed:
             self._counters.add("heartbeats_failed")
             return
         delivery = self._transport.post([record])
@@ -321,24 +350,32 @@ class Sender:
             return
         self._counters.add("heartbeats_failed")
         if delivery.outcome is Outcome.RETRY:
-            self._mark_down(delivery.reason)
+            self._mark_down(delivery)
 
     # Service state.
 
     def _down(self) -> bool:
         return self._clock() < self._down_until
 
-    def _mark_down(self, reason: str) -> None:
-        self._down_until = self._clock() + self._backoff
-        self._log_once("down", f"the service does not take records ({reason}); spooling to disk")
-        self._backoff = min(self._backoff * 2, self._config.retry_max_s)
+    def _mark_down(self, delivery: Delivery) -> None:
+        """Wait before the next try: the jittered backoff, after what the service asked."""
+        delay = self._backoff.next_delay_s()
+        if delivery.retry_after_s is not None:
+            delay += min(delivery.retry_after_s, self._config.retry_after_max_s)
+        self._down_until = max(self._down_until, self._clock() + delay)
+        self._shed = delivery.status == 429
+        if self._shed:
+            self._log_once("shed", f"the service is shedding load ({delivery.reason}); spooling to disk")
+        else:
+            self._log_once("down", f"the service does not take records ({delivery.reason}); spooling to disk")
 
     def _mark_up(self) -> None:
         if self._down_until:
             log.info("the service is back; replaying the spool")
-            self._logged.discard("down")
+            self._logged.difference_update(("down", "shed"))
         self._down_until = 0.0
-        self._backoff = self._config.retry_initial_s
+        self._shed = False
+        self._backoff.reset()
 
     def _guarded(self, step: Callable[[], None]) -> None:
         try:

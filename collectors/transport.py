@@ -2,7 +2,9 @@
 
 Three outcomes. Delivered (2xx). Retry later (the service is down or slow: a connection error,
 a timeout, 408, 429 or 5xx): the batch is kept and sent again, and the service's per-key
-deduplication makes the resend harmless even if the first attempt was stored. Rejected (any
+deduplication makes the resend harmless even if the first attempt was stored. A 429 (the service
+is shedding load) or a 503 may say when to ask again (``Retry-After``, in seconds or as an HTTP
+date): the delivery carries it, and the sender waits at least that long. Rejected (any
 other status): the batch itself is at fault and resending cannot help; the service names the
 offending records for 409 and 422, so the sender can set those aside and send the rest.
 
@@ -13,11 +15,14 @@ more (measured on the reference CPU).
 
 from __future__ import annotations
 
+import email.utils
 import enum
 import http.client
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -73,6 +78,8 @@ class Delivery:
     bad_indexes: tuple[int, ...] = ()  # the records the service named as the problem
     # The rank's pending directives, when the service answered them with the batch.
     directives: list[dict[str, Any]] | None = None
+    # Seconds the service asked the sender to wait before the next try (its Retry-After).
+    retry_after_s: float | None = None
 
 
 class Connection:
@@ -117,6 +124,11 @@ class Connection:
             self.close()  # a half-used connection is never reused
             raise
 
+    @property
+    def retry_after(self) -> str | None:
+        """The ``Retry-After`` of the last answer on this connection."""
+        return self._connection.retry_after
+
     def close(self) -> None:
         self._connection.close()
 
@@ -151,7 +163,7 @@ class HttpTransport:
             status, body = self._connection.post(self._post_path, body, self._headers)
         except (OSError, http.client.HTTPException) as exc:  # the service, not the batch
             return Delivery(Outcome.RETRY, None, f"{type(exc).__name__}: {exc}")
-        delivery = classify(status, body)
+        delivery = classify(status, body, self._connection.retry_after)
         if delivery.outcome is Outcome.DELIVERED and self._post_path != self._path:
             items = json_body(body).get("directives")
             if isinstance(items, list):
@@ -184,15 +196,33 @@ def unencodable(records: Sequence[Record], error: Exception) -> Delivery:
     return Delivery(Outcome.REJECTED, None, f"not encodable as JSON: {reason}"[:2000], tuple(problems))
 
 
-def classify(status: int, body: bytes) -> Delivery:
+def classify(status: int, body: bytes, retry_after: str | None = None) -> Delivery:
     if 200 <= status < 300:
         return Delivery(Outcome.DELIVERED, status)
     document = json_body(body)
     message = document.get("message") or body[:500].decode(errors="replace")
     reason = f"{status} {document.get('error', '')}: {message}"
     if status in RETRY_STATUSES or status in REFUSED_STATUSES or status >= 500:
-        return Delivery(Outcome.RETRY, status, reason)
+        return Delivery(Outcome.RETRY, status, reason, retry_after_s=retry_after_s(retry_after, time.time()))
     return Delivery(Outcome.REJECTED, status, reason, named_records(document))
+
+
+def retry_after_s(value: str | None, now: float) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (RFC 9110, 10.2.3): delay-seconds, or an
+    HTTP date, from ``now`` (Unix time; a date already past is 0). None when absent or not
+    either form: the sender's own backoff decides then."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isascii() and text.isdigit():  # more than 12 digits: longer than anyone waits
+        return float(int(text)) if len(text) <= 12 else float("inf")
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # "-0000": the HTTP date is always UTC
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - now)
 
 
 def named_records(document: dict[str, Any]) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from monitor.errors import ConfigError as ConfigError  # where callers have always found it
+from monitor.ingest.admission import SheddingConfig
 from monitor.judge.config import CanaryServiceConfig, EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.config import DecisionConfig
@@ -24,6 +25,8 @@ class IngestConfig:
 
     max_batch_bytes: int = 32 * 1024 * 1024
     max_batch_records: int = 50_000
+    # When batches are refused with 429 (load shedding): ``monitor.ingest.admission``.
+    shedding: SheddingConfig = field(default_factory=SheddingConfig)
 
     def __post_init__(self) -> None:
         if self.max_batch_bytes < 1024 or self.max_batch_records < 1:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from monitor.config import ServiceConfig
+from monitor.ingest.admission import IngestAdmission
 from monitor.ingest.batches import IngestResult, ingest_batch
 from monitor.judge.canaries import CanaryWatch
 from monitor.judge.engine import PolicyEngine
@@ -58,6 +59,8 @@ class Service:
         self._write_lock = threading.Lock()
         self.counters: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
+        # Batches in flight, and those refused past the bound (the API answers them 429).
+        self.admission = IngestAdmission(config.ingest.shedding)
         # Observability: spans (off unless configured), and what /metrics reads beyond the store
         # and this object, set by the components that own it (monitor.observe.metrics.MetricSources).
         self.tracing = tracing if tracing is not None else Tracing.off()

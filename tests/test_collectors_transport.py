@@ -4,6 +4,7 @@ dead letters for invalid or conflicting records, 413 splits, and a spool a new p
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import http.client
 import json
 import os
@@ -25,7 +26,14 @@ from collectors.counters import Counters
 from collectors.http11 import HttpConnection
 from collectors.sender import Sender, SenderConfig
 from collectors.spool import Spool, SpoolConfig
-from collectors.transport import Delivery, HttpTransport, Outcome, TransportConfig, classify
+from collectors.transport import (
+    Delivery,
+    HttpTransport,
+    Outcome,
+    TransportConfig,
+    classify,
+    retry_after_s,
+)
 from collectors.wire import Draft
 from tests.adapters_support import run_rows
 from tests.collectors_support import ServeProcess, child_environ, serving, step_rows, wait_until
@@ -447,6 +455,44 @@ def test_answers_in_every_framing_http_allows_are_read_whole() -> None:
     assert b"content-length: 3\r\n" in first and b"content-type: application/json\r\n" in first
     assert second.startswith(b"POST /b ") and third.startswith(b"GET /c ")
     assert b"content-length" not in third
+
+
+def test_a_429s_retry_after_reaches_the_sender_in_seconds_or_as_a_date() -> None:
+    """Read off the wire by the sender's own HTTP client: delay-seconds, and an HTTP date."""
+    body = b'{"error":"overloaded","message":"busy"}'
+    later = email.utils.formatdate(time.time() + 120, usegmt=True)
+    server = CannedServer(
+        [
+            b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\nContent-Length: 39\r\n\r\n" + body,
+            f"HTTP/1.1 503 Unavailable\r\nretry-after: {later}\r\nContent-Length: 39\r\n\r\n".encode() + body,
+            b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 39\r\n\r\n" + body,
+        ]
+    )
+    transport = HttpTransport(TransportConfig(url=server.url, run="r", timeout_s=5.0))
+    try:
+        seconds, dated, bare = (transport.post([step(n)]) for n in range(3))
+    finally:
+        transport.close()
+        server.close()
+    assert (seconds.outcome, seconds.status, seconds.retry_after_s) == (Outcome.RETRY, 429, 7.0)
+    assert "overloaded" in seconds.reason
+    assert dated.status == 503 and dated.retry_after_s is not None and 110 < dated.retry_after_s <= 120
+    assert bare.outcome is Outcome.RETRY and bare.retry_after_s is None
+
+
+def test_retry_after_is_read_as_rfc_9110_writes_it() -> None:
+    now = 1_445_412_470.0  # ten seconds before Wed, 21 Oct 2015 07:28:00 GMT
+    assert retry_after_s("120", now) == 120.0
+    assert retry_after_s(" 0 ", now) == 0.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now) == 10.0
+    assert retry_after_s("wed, 21 oct 2015 07:28:00 gmt", now) == 10.0  # as the client lowercases it
+    assert retry_after_s("Wednesday, 21-Oct-15 07:28:00 GMT", now) == 10.0  # the obsolete RFC 850 form
+    assert retry_after_s("Wed, 21 Oct 2015 07:27:00 GMT", now) == 0.0  # already past
+    assert retry_after_s("9" * 40, now) == float("inf")  # the sender caps it (retry_after_max_s)
+    for unusable in (None, "", "soon", "-5", "1.5", "\u0661\u0662", "Wed, 99 Oct 2015 07:28:00 GMT"):
+        assert retry_after_s(unusable, now) is None, unusable
+    assert classify(429, b"{}", "3").retry_after_s == 3.0
+    assert classify(422, b"{}", "3").retry_after_s is None  # a rejected batch is not retried
 
 
 def test_a_server_that_closes_without_answering_is_a_remote_disconnect() -> None:

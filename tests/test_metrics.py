@@ -526,13 +526,14 @@ def scrape_statements(service: Service) -> list[str]:
 
 def test_series_count_of_a_4_rank_run_follows_the_formula(trained: Service, run: RunHandle) -> None:
     """25 per run + min(k, N) stragglers + 13 per device (5 clock reasons offered by the device,
-    2 ECC types, 4 NVLink types, PCIe, remap) + 5 per port + open incidents; here the devices
-    report 2 clock reasons and 2 NVLink types, so 8 per device, and each port 3 error counters."""
+    2 ECC types, 4 NVLink types, PCIe, remap) + 5 per port + open incidents + 2 of the service
+    itself (ingest load); here the devices report 2 clock reasons and 2 NVLink types, so 8 per
+    device, and each port 3 error counters."""
     families = list(fresh_registry(trained).collect())
     count = sum(len(f.samples) for f in families)
     per_run, stragglers, devices, ports = 25, 4, 4 * (2 + 2 + 2 + 1 + 1), 2 * (3 + 1)
     incidents = sum(len(f.samples) for f in families if f.name.startswith("runhealth_incident"))
-    assert count == per_run + stragglers + devices + ports + incidents
+    assert count == per_run + stragglers + devices + ports + incidents + len(names.SERVICE_WIDE)
 
 
 def test_names_follow_the_prometheus_conventions() -> None:
@@ -540,7 +541,10 @@ def test_names_follow_the_prometheus_conventions() -> None:
     for metric in names.ALL:
         assert metric.name.startswith("runhealth_") and metric.name == metric.name.lower()
         assert not metric.name.endswith(("_count", "_sum", "_bucket", "_info")), metric.name
-        assert metric.labels and metric.labels[0] == "run", metric.name
+        if metric in names.SERVICE_WIDE:
+            assert not metric.labels, metric.name
+        else:
+            assert metric.labels and metric.labels[0] == "run", metric.name
     with pytest.raises(ValueError):
         names.Metric("runhealth_errors", "counter", ("run",), "a counter without _total")
     with pytest.raises(ValueError):

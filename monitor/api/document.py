@@ -74,7 +74,7 @@ class ProblemOut(BaseModel):
 class ErrorOut(BaseModel):
     """Every refusal: a code (``unauthorized``, ``forbidden``, ``not_found``, ``malformed_json``,
     ``invalid``, ``invalid_record``, ``inconsistent_record``, ``conflict``, ``exists``,
-    ``too_large``, ``store_unavailable``, ``method_not_allowed``) and a sentence; a 422 on a
+    ``too_large``, ``overloaded``, ``store_unavailable``, ``method_not_allowed``) and a sentence; a 422 on a
     batch names each problem, a 409 on a batch the record and its key."""
 
     error: str
@@ -272,6 +272,17 @@ NOT_THE_RUNS = (
 NO_SUCH_RUN = "No run of this name (only the admin token learns it)."
 BAD_PARAMETER = "A parameter is out of its range or pattern; the message names it."
 TOO_LARGE = "The body is over the byte limit."
+SHED = (
+    "`overloaded`: the service has its bound of batches in flight (`ingest.shedding`) and sheds "
+    "load; nothing of this batch was read or stored. Send it again after `Retry-After` seconds."
+)
+# A 429 always says when to ask again (delay-seconds).
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before sending the batch again.",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
 
 Answer = str | tuple[Any, str]
 """An answer's description (an error: its body is ``ErrorOut``) or its body's type and description."""
@@ -293,6 +304,8 @@ def operation(
             responses[status] = {"description": description, "content": {media_type: {"schema": {}}}}
         else:
             responses[status] = {"model": model, "description": description}
+        if status == 429:
+            responses[status]["headers"] = RETRY_AFTER
     extra: dict[str, Any] = {}
     if security is not None:
         extra["security"] = [{scheme: []} for scheme in security]

@@ -69,6 +69,20 @@ def bearer(request: Request) -> str:
     return token.strip()
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's ``Content-Length``; None when not given (chunked) or not a number."""
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+def shed(retry_after_s: int, bound: int) -> Response:
+    """The answer to a batch past the bound of batches in flight: nothing of it was read."""
+    message = f"the service has {bound} batches in flight; send this one again in {retry_after_s} s"
+    answer = json_response({"error": "overloaded", "message": message}, 429)
+    answer.headers["Retry-After"] = str(retry_after_s)
+    return answer
+
+
 async def read_limited(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -308,6 +322,7 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
                 "incarnation's declared world size, an acknowledgement of a directive the run does "
                 "not have, a manifest digest that is not the manifest's. `invalid`: a parameter "
                 "out of its range. Nothing stored.",
+                429: document.SHED,
                 503: "The store cannot take it now (not acknowledged: send it again).",
             },
             body=BatchIn,
@@ -321,7 +336,20 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
     ) -> Response:
         """Ingest a batch. With ``incarnation`` and ``rank`` the answer also carries what that
         rank has still to act on, as ``GET .../directives`` would (after this batch's acks):
-        a hook that sends every few seconds then needs no separate poll."""
+        a hook that sends every few seconds then needs no separate poll.
+
+        Past the bound of batches in flight the batch is shed first of all, before its token is
+        checked (a database read on a worker thread, which a full queue would make it wait for)
+        or its body read: the answer must be quick to be of use."""
+        admission = service.admission
+        if not admission.admit(declared_length(request)):
+            return shed(admission.config.retry_after_s, admission.config.max_in_flight_batches)
+        try:
+            return await ingest(run, request, incarnation, rank)
+        finally:
+            admission.release()
+
+    async def ingest(run: str, request: Request, incarnation: str | None, rank: int | None) -> Response:
         run_id = await run_in_threadpool(require_run, request, run)
         limits = service.config.ingest
         try:

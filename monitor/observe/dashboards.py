@@ -182,6 +182,18 @@ def run_overview() -> Dashboard:
                 unit="reqps",
             ),
             Panel(
+                "Ingest load (each service)",
+                (
+                    q(
+                        f"sum by (instance) (rate({n.INGEST_SHED.name}[{WINDOW}]))",
+                        "{{instance}} batches shed (429)",
+                    ),
+                    q(f"sum by (instance) ({n.INGEST_IN_FLIGHT.name})", "{{instance}} batches in flight"),
+                ),
+                description="Batches a service holds now, and those it refused with 429 past its bound "
+                "(ingest.shedding.max_in_flight_batches); the hooks keep those and send them again.",
+            ),
+            Panel(
                 "Open incidents",
                 (q(f"{n.INCIDENT_OPENED.name}{{{RUN}}} * 1000", instant=True),),
                 "table",

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 from monitor.observe.metrics import names, reads, state
 from monitor.observe.metrics.families import (
     RankedStraggler,
+    admission_families,
     canary_families,
     device_families,
     family,
@@ -63,6 +64,8 @@ class RunHealthCollector(Collector):
         link_grain = _grains(links, config.link_grain)
         yield from run_families(runs)
         yield from ingest_families(runs, service.counter_snapshot())
+        admission = service.admission.state()
+        yield from admission_families(admission.in_flight, admission.shed)
         yield from incident_families(runs, incidents, proposals, config.open_incidents_per_run)
         yield from straggler_family(stragglers)
         yield from canary_families(runs, canaries)

@@ -77,6 +77,16 @@ def ingest_families(runs: Sequence[RunState], counters: Mapping[tuple[str, str],
         yield built
 
 
+def admission_families(in_flight: int, shed: int) -> Iterator[Family]:
+    """The service's own ingest load: batches in flight now, and shed since it started
+    (``monitor.ingest.admission``)."""
+    shed_family = family(names.INGEST_SHED)
+    shed_family.add_metric([], float(shed))
+    in_flight_family = family(names.INGEST_IN_FLIGHT)
+    in_flight_family.add_metric([], float(in_flight))
+    yield from (shed_family, in_flight_family)
+
+
 def incident_families(
     runs: Sequence[RunState],
     incidents: Sequence[OpenIncident],

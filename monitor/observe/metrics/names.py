@@ -124,6 +124,20 @@ RECORDS_REJECTED = Metric(
 JUDGE_ERRORS = Metric(
     "runhealth_judge_errors_total", "counter", RUN, "Batches stored but not judged because judging failed."
 )
+# Service-wide: batches are shed before their run's token is checked (monitor.ingest.admission).
+INGEST_SHED = Metric(
+    "runhealth_ingest_shed_batches_total",
+    "counter",
+    (),
+    "Batches answered 429 because the service had its bound of batches in flight (the hooks keep "
+    "and resend them).",
+)
+INGEST_IN_FLIGHT = Metric(
+    "runhealth_ingest_batches_in_flight",
+    "gauge",
+    (),
+    "Batches being read, validated, written or judged now (shed past ingest.shedding.max_in_flight_batches).",
+)
 
 # --- incidents and decisions -----------------------------------------------------------------------
 
@@ -201,6 +215,9 @@ CANARY_MISMATCH = Metric(
     DEVICE,
     "Devices whose newest canary missed their stack's reference (only those): when it ran.",
 )
+
+# The series of the service itself, not of a run: no run label.
+SERVICE_WIDE: tuple[Metric, ...] = (INGEST_SHED, INGEST_IN_FLIGHT)
 
 ALL: tuple[Metric, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Metric))
 BY_NAME = {metric.name: metric for metric in ALL}
