@@ -13,6 +13,7 @@ from monitor.judge.config import CanaryServiceConfig, EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.config import DecisionConfig
 from policies.devices import DevicesConfig
+from policies.drills import DrillConfig
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,5 @@ class ServiceConfig:
     canaries: CanaryServiceConfig = field(default_factory=CanaryServiceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # `runhealth drill`'s tolerances and budgets (not the service's: read by the CLI that runs it)
+    drills: DrillConfig = field(default_factory=DrillConfig)

@@ -604,6 +604,27 @@ class CanarySchedule(Base):
     created_at: Mapped[float]
 
 
+class DrillReport(Base):
+    """One restart drill of a trainer (``runhealth drill``): its checks and verdict.
+
+    ``run`` is a run's name, not a key: a drill rehearses the restart before the long run,
+    usually before that run exists in the store."""
+
+    __tablename__ = "drill_reports"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run: Mapped[str] = mapped_column(sa.String(200), index=True)
+    drill: Mapped[str] = mapped_column(sa.String(32))
+    verdict: Mapped[str] = mapped_column(sa.String(16))
+    checks: Mapped[list[Any]]
+    command: Mapped[str] = mapped_column(sa.Text)
+    settings: Mapped[dict[str, Any]]
+    workdir: Mapped[str] = mapped_column(sa.Text)
+    started_at: Mapped[float]
+    finished_at: Mapped[float]
+    created_by: Mapped[str] = mapped_column(sa.String(200))
+
+
 def table_of(model: type[Base]) -> sa.Table:
     """A model's Core table, typed as one (``__table__`` is typed as a generic FromClause)."""
     table = model.__table__
