@@ -13,8 +13,9 @@ sender's defaults: 0.5 s doubling to 10 s):
 
 Printed as JSON for each, with and without jitter: the tries made during the outage, the most
 tries in any ``--bin-s`` interval (the herd the service meets), the spread of the first retry
-(standard deviation, and the 1st to 99th percentile range), the tries in the first interval after
-the service is back, and how long after its return the ranks got through (p50, p99, max).
+(standard deviation, and the 1st to 99th percentile range), the most tries in any interval once
+the service is back (the herd that meets it then), and how long after its return the ranks got
+through (p50, p99, max).
 
     python benchmarks/backoff_spread.py [--ranks 16384] [--threads 128] [--outage-s 20] [--bin-s 0.1]
 """
@@ -126,14 +127,14 @@ def summary(tries: list[list[float]], outage_s: float, bin_s: float) -> dict[str
     bins = Tally(int(at / bin_s) for at in during)
     first_retry = sorted(mine[1] for mine in tries if len(mine) > 1)
     back = sorted(mine[-1] - outage_s for mine in tries if mine[-1] >= outage_s)
-    at_return = sum(1 for mine in tries for at in mine if outage_s <= at < outage_s + bin_s)
+    after = Tally(int((mine[-1] - outage_s) / bin_s) for mine in tries if mine[-1] >= outage_s)
     return {
         "ranks": len(tries),
         "tries_during_outage": len(during),
         "most_tries_in_one_bin": max(bins.values(), default=0),
         "first_retry_stdev_s": round(statistics.pstdev(first_retry), 4) if first_retry else None,
         "first_retry_p1_p99_s": [round(_quantile(first_retry, q), 4) for q in (0.01, 0.99)],
-        "tries_in_first_bin_after_return": at_return,
+        "most_tries_in_one_bin_after_return": max(after.values(), default=0),
         "through_after_return_s": {
             "p50": round(_quantile(back, 0.5), 3),
             "p99": round(_quantile(back, 0.99), 3),
