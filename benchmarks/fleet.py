@@ -313,7 +313,7 @@ def create_runs(replica: Replica, count: int, load: Load) -> tuple[list[str], li
 def finish_runs(replica: Replica, names: list[str], tokens: list[str], incarnations: list[str]) -> None:
     """Each run's run-finish record, as rank 0's hook sends at close: a run that ended is not
     hung when its ranks fall silent."""
-    with httpx.Client(base_url=f"http://127.0.0.1:{replica.port}", timeout=60) as client:
+    with httpx.Client(base_url=f"http://127.0.0.1:{replica.port}", timeout=120) as client:
         for name, token, incarnation in zip(names, tokens, incarnations, strict=True):
             finish = {
                 "kind": "run_finish",
@@ -321,11 +321,14 @@ def finish_runs(replica: Replica, names: list[str], tokens: list[str], incarnati
                 "time": time.time(),
                 "status": "completed",
             }
-            client.post(
-                f"/v1/runs/{name}/records",
-                json={"records": [finish]},
-                headers={"authorization": f"Bearer {token}"},
-            ).raise_for_status()
+            try:
+                client.post(
+                    f"/v1/runs/{name}/records",
+                    json={"records": [finish]},
+                    headers={"authorization": f"Bearer {token}"},
+                ).raise_for_status()
+            except httpx.HTTPError as exc:  # a service this far behind: the figures say so already
+                print(f"fleet: run_finish of {name} not stored: {exc!r}", file=sys.stderr)
 
 
 def posters_for(load: Load, names: list[str], tokens: list[str], replicas: list[Replica]) -> list[Poster]:
@@ -357,6 +360,7 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
     replicas = start_replicas(store.url, load.replicas, workdir)
     engine = create_store_engine(store.url)
     running: list[subprocess.Popen[bytes]] = []
+    stop = threading.Event()  # the store watcher's
     try:
         names, tokens, incarnations = create_runs(replicas[0], load.runs, load)
         with engine.connect() as connection:
@@ -378,20 +382,29 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
             fault=fault,
             threads=load.threads,
         )
-        watch, stop = Watch(), threading.Event()
-        watcher = threading.Thread(target=watch_store, args=(store.url, run_ids, load.poll_s, stop, watch))
+        watch = Watch()
+        watcher = threading.Thread(
+            target=watch_store, args=(store.url, run_ids, load.poll_s, stop, watch), daemon=True
+        )
         senders = launch_senders(posters, plan, load.senders, workdir)
         running.extend(process for process, _ in senders)
         while time.time() < started_at:
             time.sleep(0.05)
-        cpu_before = sum(_cpu_s(r.process.pid) for r in replicas)
-        database_before = store.database_cpu_s()
+        # CPU is read at the start, over the steady part (after every rank's first heartbeat and
+        # device sample, whose first sightings cost the service a store read each), and at the end.
+        steady = (
+            started_at + max(load.heartbeat_s, load.device_s) + 2 * load.flush_s,
+            started_at + load.seconds,
+        )
+        meter = [cpu_sample(replicas, store)]
         load_before = os.getloadavg()[0]
         watcher.start()
         loads = []
         while any(process.poll() is None for process, _ in senders):
             loads.append(os.getloadavg()[0])
-            time.sleep(1.0)
+            if len(meter) < 3 and time.time() >= steady[len(meter) - 1]:
+                meter.append(cpu_sample(replicas, store))
+            time.sleep(0.2)
         ended_at = time.time()
         finish_runs(replicas[0], names, tokens, incarnations)
         # The last windows are judged once their last ranks' posts land: wait for them (the
@@ -402,16 +415,22 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
             time.time() < drain_until and min(watch.newest_judged.get(r, 0) for r in run_ids) < last_attempt
         ):
             time.sleep(load.poll_s)
-        cpu_s = sum(_cpu_s(r.process.pid) for r in replicas) - cpu_before
-        measured_s = time.time() - started_at
-        database_after = store.database_cpu_s()
-        database_cpu_s = (
-            None if database_before is None or database_after is None else database_after - database_before
-        )
+        meter.append(cpu_sample(replicas, store))
         stop.set()
         watcher.join()
         sent = [read_sent(out) for _, out in senders]
-        result = summarize(load, plan, sent, watch, run_ids, cpu_s, database_cpu_s, measured_s)
+        result = summarize(load, plan, sent, watch, run_ids, meter)
+        # A batch the senders gave up on (no answer in time) may still be stored: the whole run's
+        # CPU is also given per record the store holds.
+        with engine.connect() as connection:
+            stored_steps = int(connection.execute(sa.text("SELECT count(*) FROM step_records")).scalar_one())
+            stored_samples = int(
+                connection.execute(sa.text("SELECT count(*) FROM device_samples")).scalar_one()
+            )
+        result["step_records_stored"] = stored_steps
+        result["cpu_whole_per_stored"] = cpu_figures(
+            meter[0], meter[-1], stored_steps + stored_samples, stored_steps
+        )
         result["database_bytes"] = store.size(engine)
         result["load_average"] = {
             "start": round(load_before, 2),
@@ -423,12 +442,47 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
         ]
         return result
     finally:
+        stop.set()
         for process in running:  # interrupted: the senders go with the stage
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
         engine.dispose()
         stop_replicas(replicas)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    at: float
+    service_s: float
+    database_s: float | None
+
+
+def cpu_sample(replicas: list[Replica], store: Store) -> CpuSample:
+    return CpuSample(time.time(), sum(_cpu_s(r.process.pid) for r in replicas), store.database_cpu_s())
+
+
+def cpu_figures(first: CpuSample, last: CpuSample, records: int, steps: int) -> dict[str, Any]:
+    """CPU between two samples over the records and step records accepted between them."""
+    service = last.service_s - first.service_s
+    database = (
+        None if first.database_s is None or last.database_s is None else last.database_s - first.database_s
+    )
+    return {
+        "seconds": round(last.at - first.at, 1),
+        "service_cpu_s": round(service, 2),
+        "service_cores_used": round(service / (last.at - first.at), 3),
+        "service_cpu_us_per_record": round(1e6 * service / records, 2) if records else None,
+        "service_cpu_us_per_step_record": round(1e6 * service / steps, 2) if steps else None,
+        # A rank at one step a second costs a step record and its share of the other records:
+        # the ranks one core carries at the measured cost, whether or not this run kept up.
+        "ranks_per_service_core": round(steps / service) if service > 0 else None,
+        "postgres_cpu_s": None if database is None else round(database, 2),
+        "postgres_cpu_us_per_record": round(1e6 * database / records, 2)
+        if database is not None and records
+        else None,
+        "ranks_per_postgres_core": round(steps / database) if database else None,
+    }
 
 
 def _errors_in(log: Path) -> bool:
@@ -474,9 +528,7 @@ def summarize(
     sent: list[Sent],
     watch: Watch,
     run_ids: list[int],
-    cpu_s: float,
-    database_cpu_s: float | None,
-    measured_s: float,
+    meter: list[CpuSample],
 ) -> dict[str, Any]:
     batches = [b for s in sent for b in s.batches]
     accepted = sum(b[8] for b in batches if 200 <= b[7] < 300)
@@ -527,7 +579,6 @@ def summarize(
     second_half = max((lag for _, lag in judge_lag[half:]), default=0.0)
     pending = [p for t, _, p in watch.samples if plan.started_at + 10 <= t <= plan.started_at + plan.seconds]
     total_ranks = load.runs * load.ranks
-    cores = cpu_s / measured_s  # from the load's start to its last window judged
     kept_pace = lags.size > 0 and float(np.percentile(lags, 99)) <= load.flush_s
     kept_up = second_half <= first_half + load.flush_s and second_half <= load.max_lag_s
     return {
@@ -546,19 +597,10 @@ def summarize(
         "batches_shed_429": shed,
         "batches_failed": failed,
         "sender_errors": [e for s in sent for e in s.errors][:5],
-        "measured_s": round(measured_s, 1),
-        "service_cpu_s": round(cpu_s, 2),
-        "service_cores_used": round(cores, 3),
-        "service_cpu_us_per_record": round(1e6 * cpu_s / accepted, 2) if accepted else None,
-        "service_cpu_us_per_step_record": round(1e6 * cpu_s / steps_accepted, 2) if steps_accepted else None,
-        "postgres_cpu_s": None if database_cpu_s is None else round(database_cpu_s, 2),
-        "postgres_cpu_us_per_record": (
-            round(1e6 * database_cpu_s / accepted, 2) if database_cpu_s is not None and accepted else None
-        ),
-        # A rank at one step a second costs one step record and its share of the other records:
-        # the ranks one core of the service carries at this cost, whether or not this run did.
-        "ranks_per_service_core": round(steps_accepted / cpu_s) if cpu_s > 0 else None,
-        "ranks_per_postgres_core": (round(steps_accepted / database_cpu_s) if database_cpu_s else None),
+        # Whole: from the load's start to its last window judged. Steady: the load's seconds
+        # after every rank's first heartbeat and device sample, over the batches sent then.
+        "cpu_whole": cpu_figures(meter[0], meter[-1], accepted, steps_accepted),
+        "cpu_steady": steady_cpu(meter, batches),
         "generator_cpu_s": round(sum(s.cpu_s for s in sent), 2),
         "send_lag_s": {"p50": _round(np.percentile(lags, 50)), "p99": _round(np.percentile(lags, 99))}
         if lags.size
@@ -585,6 +627,18 @@ def summarize(
         "kept_schedule": bool(kept_pace),
         "judge_kept_up": bool(kept_up),
     }
+
+
+def steady_cpu(
+    meter: list[CpuSample], batches: list[tuple[int, int, int, int, float, float, float, int, int]]
+) -> dict[str, Any] | None:
+    if len(meter) < 4:
+        return None  # the load ended before its steady part did
+    first, last = meter[1], meter[2]
+    inside = [b for b in batches if first.at <= b[5] < last.at and 200 <= b[7] < 300]
+    records = sum(b[8] for b in inside)
+    steps = sum((b[2] - b[1] + 1) * b[3] for b in inside)
+    return cpu_figures(first, last, records, steps)
 
 
 def judge_lags(watch: Watch, plan: Plan) -> list[tuple[float, float]]:
