@@ -4,6 +4,7 @@
 hook attaches. Server code (``monitor``) is never imported here.
 """
 
+from collectors.async_saves import track_async_save
 from collectors.checkpoints import build_manifest
 from collectors.config import ConfigError, HookConfig, RunHealthConfig
 from collectors.hook import RunHealth
@@ -33,4 +34,5 @@ __all__ = [
     "handle_rollback",
     "load_state_dicts",
     "supervised_tokens",
+    "track_async_save",
 ]

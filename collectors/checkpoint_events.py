@@ -6,14 +6,24 @@ the training thread unless the trainer gives one (``manifests.py``). A resume ev
 restored objects once (a sync, fine at resume), continues the step and consumed counters from
 the checkpoint, and waits for the first window when it still lacks that window's first sample
 ids.
+
+A save the trainer declares (``checkpoint_saving`` before it starts) is timed to its publication
+(``checkpoint_saved``): the preemption budget's ``T_save``. An asynchronous save has a second
+completion point in between, staging (``checkpoint_staged``: the snapshot no longer depends on
+live state); the hook counts the optimizer updates made before it, and notes a previous
+recovery point gone before the new one was published (``policies.async_checkpoints``). None of
+this is on the step path: it reads the counters the windows keep anyway, at the save's calls.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
@@ -29,9 +39,29 @@ from collectors.outbox import Outbox
 from collectors.phases import Phase
 from collectors.restore import gather_restored
 from collectors.window import render_ids
+from policies import async_checkpoints as saves
 from policies.protocol import to_wire
 
 log = logging.getLogger("runhealth.collectors")
+
+
+MAX_PENDING_SAVES = 8
+"""Saves declared and not yet published, kept for their timing: the reference text asks to
+bound concurrent saves, and a trainer that declares saves it never finishes must not grow this."""
+
+
+@dataclass
+class SaveMark:
+    """A save the trainer declared (``checkpoint_saving``), until it is published or failed."""
+
+    step: int | None
+    started: float  # perf_counter
+    updates: int  # the hook's updates seen at the start (``CheckpointEvents._updates_seen``)
+    consumed: int | None  # at the boundary the save captures
+    thread: int
+    staged: float | None = None
+    updates_before_staged: int = 0
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,16 +100,112 @@ class CheckpointEvents:
         self._max_sample_ids = config.hook.max_sample_ids
         self.scheduler: Any = None  # read only at resume
         self.manifests = ManifestWorker(self._send_checkpoint, config.hook.manifest_settle_s)
+        self._saves: deque[SaveMark] = deque()
+        self._saves_lock = threading.Lock()  # staged and saved may come from a save's own thread
+        self._published: str | None = None  # the last checkpoint this hook recorded: the recovery point
 
     @guarded
-    def checkpoint_saving(self) -> None:
-        """A save begins (optional; call it right before writing, then ``checkpoint_saved``):
-        heartbeats say ``saving`` meanwhile, and the hang rule gives a declared save its own
-        timeout (30 minutes, or longer when the run's saves were) instead of a step's. Not on
-        the step path: no mark in the window's timings."""
+    def checkpoint_saving(self, step: int | None = None) -> None:
+        """A save begins (optional; call it right before writing or staging, then
+        ``checkpoint_saved``): heartbeats say ``saving`` meanwhile, and the hang rule gives a
+        declared save its own timeout (30 minutes, or longer when the run's saves were) instead
+        of a step's. The save is timed from here to ``checkpoint_saved`` (the preemption
+        budget's ``T_save``), and its consumed-example count is taken here, at the boundary it
+        captures. ``step``: the step ``checkpoint_saved`` will name, when several saves overlap
+        (asynchronous ones); otherwise the oldest declared save is the one published next. Not
+        on the step path: no mark in the window's timings."""
+        mark = SaveMark(
+            step, time.perf_counter(), self._updates_seen(), self._windows.consumed, threading.get_ident()
+        )
+        with self._saves_lock:
+            if len(self._saves) >= MAX_PENDING_SAVES:
+                dropped = self._saves.popleft()
+                log.warning(
+                    "runhealth hook: more than %d saves declared and not published; the save of step "
+                    "%s is no longer timed (call rh.checkpoint_failed() for a save that failed)",
+                    MAX_PENDING_SAVES,
+                    dropped.step,
+                )
+            self._saves.append(mark)
         phases = getattr(self._windows, "phases", None)  # none before attach: no heartbeats yet
         if phases is not None:
             phases.current = (Phase.SAVING, time.perf_counter(), None)
+
+    @guarded
+    def checkpoint_staged(self, step: int | None = None) -> None:
+        """An asynchronous save's staging completed: its snapshot no longer depends on live
+        state, and the trainer may step the optimizer again (any thread: a staging future's
+        callback; ``collectors.async_saves.track_async_save`` wires DCP's). Updates the trainer
+        made between ``checkpoint_saving`` and now are counted: the service raises
+        ``updated_before_staged`` for them and offers no rollback to that checkpoint."""
+        now = time.perf_counter()
+        with self._saves_lock:
+            mark = self._mark(step, staged=False)
+            if mark is None:
+                return
+            mark.staged = now
+            mark.updates_before_staged = max(0, self._updates_seen() - mark.updates)
+        phases = getattr(self._windows, "phases", None)
+        if phases is not None and phases.current[0] is Phase.SAVING:  # training goes on while it stores
+            phases.current = (Phase.DATA, now, None)
+
+    @guarded
+    def checkpoint_failed(self, step: int | None = None) -> None:
+        """A declared save that will not be published (its storage raised): no longer timed."""
+        with self._saves_lock:
+            mark = self._mark(step, staged=None)
+            if mark is not None:
+                self._saves.remove(mark)
+        phases = getattr(self._windows, "phases", None)
+        if phases is not None and phases.current[0] is Phase.SAVING:
+            phases.current = (Phase.DATA, time.perf_counter(), None)
+
+    def _mark(self, step: int | None, *, staged: bool | None) -> SaveMark | None:
+        """The declared save ``step`` names (the caller holds the lock): the one declared with
+        that step, else the oldest declared without one; ``staged`` False: only one not staged
+        yet. None when there is none (the save was not declared)."""
+        candidates = [m for m in self._saves if staged is None or (m.staged is not None) == staged]
+        named = [m for m in candidates if step is not None and m.step == step]
+        unnamed = [m for m in candidates if m.step is None or step is None]
+        chosen = named or unnamed
+        return chosen[0] if chosen else None
+
+    def _updates_seen(self) -> int:
+        """Optimizer updates so far: the ended windows' and the open window's (its step hook
+        counted one; the step counter moves at its end). Reads two attributes, no device."""
+        windows = self._windows
+        window = windows.window
+        return windows.step + (1 if window is not None and (window.updates or window.verdicts) else 0)
+
+    def _published_save(self, step: int, location: str) -> SaveMark | None:
+        """The declared save this publication ends (taken off the list), with the tags its
+        ordering rules call for."""
+        with self._saves_lock:
+            mark = self._mark(step, staged=None)
+            if mark is not None:
+                self._saves.remove(mark)
+        previous, self._published = self._published, location
+        if mark is None:
+            return None
+        if mark.staged is not None:
+            mark.tags.append(saves.ASYNC_TAG)
+        # One stat, once per checkpoint: is the recovery point this hook published last still
+        # there? An asynchronous save over it in place replaces it while the new one uploads.
+        if previous is not None and "://" not in previous:
+            in_place = previous == location and mark.staged is not None
+            if in_place or (previous != location and not os.path.exists(previous)):
+                mark.tags.append(saves.PREVIOUS_DELETED_TAG)
+        return mark
+
+    @staticmethod
+    def _save_metrics(mark: SaveMark, published: float) -> dict[str, float]:
+        """The save's timings, as the record's ``metrics`` carry them (``policies.async_checkpoints``)."""
+        timed = {saves.SAVE_S: published - mark.started}
+        if mark.staged is not None:
+            timed[saves.STAGING_S] = mark.staged - mark.started
+            if mark.updates_before_staged:
+                timed[saves.UPDATES_BEFORE_STAGED] = float(mark.updates_before_staged)
+        return timed
 
     @guarded
     def checkpoint_saved(
@@ -101,15 +227,23 @@ class CheckpointEvents:
         nothing and hash nothing. A path saved again with other content is a new version.
         ``consumed`` defaults to the count the given manifest names, else to the hook's own
         consumed-example count now (None where the hook lost count): a rollback to this
-        checkpoint continues from it."""
+        checkpoint continues from it. A save declared with ``checkpoint_saving`` is timed to
+        this call and takes its consumed count from there; this call may come from the thread
+        that stored it (an asynchronous save's storage future)."""
+        published = time.perf_counter()
         phases = getattr(self._windows, "phases", None)
         if phases is not None and phases.current[0] is Phase.SAVING:  # over: between windows again
-            phases.current = (Phase.DATA, time.perf_counter(), None)
+            phases.current = (Phase.DATA, published, None)
         location = checkpoint_location(path)  # the trainer's working directory, not the service's
         now = self._clock()
+        mark = self._published_save(step, location)
+        if mark is not None:
+            metrics = {**(metrics or {}), **self._save_metrics(mark, published)}
+            tags = [*(tags or ()), *mark.tags] or None
         if consumed is None:
             named = (manifest or {}).get("consumed")
-            consumed = int(named) if named is not None else self._windows.consumed
+            boundary = mark.consumed if mark is not None else self._windows.consumed
+            consumed = int(named) if named is not None else boundary
         # Built now, so a bad value is refused at the call (``guarded``), not on the thread.
         event = records.checkpoint(
             step, location, now, manifest=manifest, consumed=consumed, tags=tags, metrics=metrics
@@ -121,7 +255,9 @@ class CheckpointEvents:
             self.manifests.submit(
                 ManifestJob(step, location, now, consumed, job_tags, dict(metrics or {}) or None)
             )
-        if self._config.hook.canary_on_checkpoint and self._windows.active:
+        # The canary runs on the training thread only (not on a save's storage thread).
+        on_training_thread = mark is None or mark.thread == threading.get_ident()
+        if self._config.hook.canary_on_checkpoint and self._windows.active and on_training_thread:
             self._agent.run_canary(None)
 
     def _sends_checkpoints(self) -> bool:

@@ -37,7 +37,9 @@ and what it logs is a rounded mean of per-rank means, not this rank's token-weig
   read on the training thread. Rank 0's hook hashes the folder on its own thread once its files
   are quiet, the other ranks' RNG states or shards included (``collectors.manifests``), and the
   checkpoint is a rollback target once that manifest is recorded. ``manifests=False`` records
-  checkpoints without it (they are then no rollback target).
+  checkpoints without it (they are then no rollback target). The Trainer's ``_save_checkpoint``
+  (this trainer's, wrapped) declares each save as it starts (``rh.checkpoint_saving``): the save
+  is timed to ``on_save`` for the preemption budget's ``T_save``.
 - Resume: ``global_step > 0`` at ``on_train_begin`` (the Trainer loaded a checkpoint's state).
   The resume states the data position the Trainer restored: the checkpoint's consumed count,
   or, under ``ignore_data_skip`` with a checkpoint inside an epoch, the count at that epoch's
@@ -105,6 +107,7 @@ class RunHealthCallback(TrainerCallback):
         self._forward_handle: Any = None
         self._clip_wrapper: Any = None
         self._loss_wrapper: Any = None
+        self._save_wrapper: Any = None
         self._loss_seen = False  # the model's forward hook took the current microbatch's loss
         self._epoch_start_consumed: int | None = 0
         self._resumed_in_epoch = False  # the next on_epoch_begin continues an epoch, not starts one
@@ -138,6 +141,7 @@ class RunHealthCallback(TrainerCallback):
             self._forward_handle = model.register_forward_hook(self._after_forward, with_kwargs=True)
         self._wrap_clip()
         self._wrap_compute_loss()
+        self._wrap_save()
         if state.global_step > 0:
             self._resumed(args, state)
         self._idle_since = time.perf_counter()
@@ -152,6 +156,7 @@ class RunHealthCallback(TrainerCallback):
             self._forward_handle = None
         self._unwrap_clip()
         self._unwrap_compute_loss()
+        self._unwrap_save()
         if self._owned:
             self.rh.close("stopped" if self.rh.directive is not None else "completed")
             self._closed = True
@@ -281,6 +286,32 @@ class RunHealthCallback(TrainerCallback):
             self.rh.loss(loss * items, labels=labels, reduction="sum")  # a share of the window's sum
         else:
             self.rh.loss(loss, labels=labels, reduction="mean")
+
+    def _wrap_save(self) -> None:
+        """Declare each save as it starts (``on_save`` comes once it is written): the hook times
+        it to its record, the preemption budget's ``T_save``. The Trainer's own
+        ``_save_checkpoint``, wrapped on this trainer only, undone at ``on_train_end``."""
+        if self._trainer is None or self._save_wrapper is not None:
+            return
+        save = self._trainer._save_checkpoint
+        rh = self.rh
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            rh.checkpoint_saving()
+            try:
+                return save(*args, **kwargs)
+            except BaseException:
+                rh.checkpoint_failed()
+                raise
+
+        self._trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+        self._save_wrapper = save_checkpoint
+
+    def _unwrap_save(self) -> None:
+        wrapper, self._save_wrapper = self._save_wrapper, None
+        trainer = self._trainer
+        if wrapper is not None and trainer is not None and vars(trainer).get("_save_checkpoint") is wrapper:
+            del trainer._save_checkpoint  # the class's method again
 
     def _unwrap_compute_loss(self) -> None:
         wrapper, self._loss_wrapper = self._loss_wrapper, None

@@ -148,6 +148,8 @@ class RunHealth:
         self.window_end = windows.window_end
         self.optimizer_step_observed = windows.optimizer_step_observed
         self.checkpoint_saving = events.checkpoint_saving
+        self.checkpoint_staged = events.checkpoint_staged
+        self.checkpoint_failed = events.checkpoint_failed
         self.checkpoint_saved = events.checkpoint_saved
         self.resumed = events.resumed
         self.watch(model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler)

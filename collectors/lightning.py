@@ -39,7 +39,9 @@ thread (``self.log(..., sync_dist=True)`` every step would all-reduce and read i
   hashes it for the manifest on its own thread (``collectors.manifests``), nothing is read on
   the training thread. The hook's counters travel inside the checkpoint (``state_dict``), so a
   resume continues them exactly. With ``AsyncCheckpointIO`` the file is still being written
-  then: such checkpoints are recorded without a manifest.
+  then: such checkpoints are recorded without a manifest. Otherwise the wrapper declares the save
+  as it starts (``rh.checkpoint_saving``), so it is timed to its record: the preemption budget's
+  ``T_save``.
 - Resume: ``trainer.ckpt_path`` set at ``on_train_start`` (Lightning restored the checkpoint's
   model, optimizer, scheduler, scaler and this callback's state before it).
 - Directives: after each window, ``rh.should_stop()``; a rollback stops the trainer there
@@ -251,8 +253,19 @@ class RunHealthCallback(Callback):
         save = trainer.save_checkpoint
 
         def save_checkpoint(filepath: Any, weights_only: Any = None, storage_options: Any = None) -> None:
-            save(filepath, weights_only, storage_options)
+            # Timed from here to its record (the preemption budget's T_save), unless Lightning
+            # writes it on a thread of its own (AsyncCheckpointIO), whose end is not seen here.
+            timed = not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO)
+            if timed:
+                self.rh.checkpoint_saving()
+            try:
+                save(filepath, weights_only, storage_options)
+            except BaseException:
+                if timed:
+                    self.rh.checkpoint_failed()
+                raise
             self._saved(trainer, filepath)
+
 
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
         self._save = (trainer, save_checkpoint)

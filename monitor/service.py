@@ -122,6 +122,7 @@ class Service:
         touched = self.policies.judge(run_id)
         touched += self.policies.judge_late(run_id, late)
         touched += self.policies.judge_resumes(run_id, new_rows.get("resume", []))
+        touched += self.policies.judge_saves(run_id, new_rows.get("checkpoint", []))
         touched += self.fleet.observe(
             run_id, new_rows.get("device_sample", []), new_rows.get("link_sample", [])
         )

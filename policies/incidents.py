@@ -30,6 +30,8 @@ INCIDENT_KIND_OF_FINDING = {
     "link_error_rate": "link",
     "counter_saturated": "link",
     "canary_mismatch": "canary",
+    "updated_before_staged": "unsafe_save",
+    "previous_deleted_before_publish": "unsafe_save",
 }
 
 # Incidents of these kinds are one per device, port or rank: two devices failing at nearby
@@ -37,7 +39,11 @@ INCIDENT_KIND_OF_FINDING = {
 SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank", "canary": "device"}
 
 # A finding of the first kind resolves the open incident of the second kind in its scope.
-RESOLVES = {"straggler_recovered": "straggler", "restart_loop_ended": "restart_loop"}
+RESOLVES = {
+    "straggler_recovered": "straggler",
+    "restart_loop_ended": "restart_loop",
+    "preemption_budget_fits": "preemption_budget",
+}
 
 # An incident's kind is refined when stronger evidence joins it: a spike that stayed up is a
 # level shift. Each entry: (current kind, finding's incident kind) -> refined kind.

@@ -76,6 +76,7 @@ def test_the_issue_s_alerts_are_all_there() -> None:
         "RunhealthRunSilent",
         "RunhealthRecordsLate",
         "RunhealthMonitorDown",
+        "RunhealthPreemptionBudgetShort",
     }
 
 

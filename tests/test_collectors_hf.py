@@ -196,6 +196,7 @@ def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
         assert folder == (tmp_path / "out" / f"checkpoint-{checkpoint['step']}").resolve()
         manifest = checkpoint["manifest"]
         assert manifest["step"] == checkpoint["step"] and manifest["consumed"] == checkpoint["consumed"]
+        assert checkpoint["metrics"]["runhealth.save_s"] > 0  # timed from _save_checkpoint's start
         names = {entry["path"] for entry in manifest["files"]}
         assert {"model.safetensors", "optimizer.pt", "trainer_state.json", PROGRESS_FILE} <= names
         assert_manifest_matches(folder, manifest)

@@ -194,6 +194,7 @@ def test_each_window_lands_with_its_own_values_and_each_save_with_a_manifest(
         assert path.parent == (tmp_path / "checkpoints").resolve() and path.suffix == ".ckpt"
         manifest = checkpoint["manifest"]
         assert manifest["step"] == checkpoint["step"] and manifest["consumed"] == checkpoint["consumed"]
+        assert checkpoint["metrics"]["runhealth.save_s"] > 0  # timed from the wrapped save's start
         assert_manifest_matches(path, manifest)  # the single file is the entry "."
         saved = torch.load(path, weights_only=False)["callbacks"]["RunHealthCallback"]
         assert (saved["step"], saved["consumed"]) == (checkpoint["step"], checkpoint["consumed"])

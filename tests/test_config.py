@@ -147,6 +147,15 @@ def test_the_legacy_flat_names_still_set_their_settings() -> None:
         service_config({"RUNHEALTH_HANG_MIN_TIMEOUT_S": "1", "RUNHEALTH_POLICIES__HANGS__MIN_TIMEOUT_S": "2"})
 
 
+def test_the_preemption_warning_is_read_from_its_own_name_and_refused_when_not_a_notice() -> None:
+    assert service_config({"RUNHEALTH_PREEMPTION_WARNING_S": "120"}).engine.preemption.warning_s == 120.0
+    assert service_config({}).engine.preemption.warning_s is None  # no budget until it is set
+    margin = service_config({"RUNHEALTH_POLICIES__PREEMPTION__MARGIN_S": "2"}).engine.preemption
+    assert margin.margin_s == 2.0
+    with pytest.raises(ConfigError, match=r"RUNHEALTH_PREEMPTION_WARNING_S.*positive"):
+        service_config({"RUNHEALTH_PREEMPTION_WARNING_S": "0"})
+
+
 def test_other_runhealth_variables_are_not_the_services() -> None:
     """The trainer's and the CLI's own variables share the prefix; the service ignores them."""
     environ = {

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from policies.canary import CanaryConfig, ScheduleConfig
 from policies.hangs import HangConfig
+from policies.preemption import PreemptionConfig
 from policies.rank_loss import RankLossConfig
 from policies.rank_nonfinite import RankNonfiniteConfig
 from policies.readiness import ReadinessConfig
@@ -35,6 +36,7 @@ class EngineConfig:
     hangs: HangConfig = field(default_factory=HangConfig)
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     restart_loop: RestartLoopConfig = field(default_factory=RestartLoopConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     cached_windows: int = 1024
     judge_chunk: int = 256
 

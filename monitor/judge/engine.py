@@ -23,7 +23,9 @@ from monitor.judge.incidents import IncidentRecorder
 from monitor.judge.readings import RANK_FIELDS, point_from_summary, rank_window
 from monitor.judge.restarts import judge_restarts
 from monitor.judge.resumes import judge_resumes
+from monitor.judge.saves import judge_saves
 from monitor.store import hook_settings, models, queries
+from policies.preemption import Budget
 from policies.readiness import (
     IncarnationWindows,
     PendingWindow,
@@ -74,6 +76,8 @@ class PolicyEngine:
         self._states: dict[int, _RunState] = {}
         self._lock = threading.RLock()
         self.incidents = IncidentRecorder(config.series.grouping, clock)
+        # Each run's preemption budget after its newest measured save (``/metrics`` reads it).
+        self._budgets: dict[int, Budget] = {}
         # Set by the service: adds a device's and its node's evidence to a finding about a slow
         # device (from the policies whose ``device_evidence`` says so).
         self.add_device_evidence: Callable[[int, Finding], Finding] = lambda _run, finding: finding
@@ -159,6 +163,23 @@ class PolicyEngine:
             # run stands at the step it resumed at, not at the abandoned one judged last.
             detected = min((f.step for f in findings), default=self.last_step(run_id))
             return self.incidents.record(connection, run_id, findings, detected)
+
+    def judge_saves(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """New checkpoint records with the hook's save timings: the save ordering rules and the
+        preemption budget (``monitor.judge.saves``)."""
+        if not rows:
+            return []
+        with self._lock, self._engine.begin() as connection:
+            budget, findings = judge_saves(connection, run_id, rows, self._config.preemption)
+            if budget is not None:
+                self._budgets[run_id] = budget
+            return self.incidents.record(connection, run_id, findings, self.last_step(run_id))
+
+    def budget(self, run_id: int) -> Budget | None:
+        """The run's preemption budget as its newest measured save left it (None before one
+        since this service started, or without a configured warning)."""
+        with self._lock:
+            return self._budgets.get(run_id)
 
     def judge_restarts(self, run_id: int) -> list[int]:
         """The restart-loop guard, when an incarnation started or finished."""

@@ -194,6 +194,14 @@ def run_overview() -> Dashboard:
                 "(ingest.shedding.max_in_flight_batches); the hooks keep those and send them again.",
             ),
             Panel(
+                "Preemption budget slack",
+                (q(f"{n.PREEMPTION_SLACK.name}{{{RUN}}}", "{{run}}"),),
+                unit="s",
+                description="The platform's preemption warning minus the path to a durable checkpoint "
+                "(p99 window + longest recent save + margin), after each measured save: below 0 a "
+                "save started at the warning does not finish (RUNHEALTH_PREEMPTION_WARNING_S).",
+            ),
+            Panel(
                 "Open incidents",
                 (q(f"{n.INCIDENT_OPENED.name}{{{RUN}}} * 1000", instant=True),),
                 "table",

@@ -16,7 +16,13 @@ which node holds it.
 Tags are derived, never stored: ``latest-resumable`` (the newest valid, current, safe
 checkpoint), ``best-eval`` (the best evaluation metric, kept apart from the recovery point),
 ``superseded`` (by the newer version) and ``unsafe`` (at or after a nonfinite step or the first
-affected step of an open incident, until that incident is resolved).
+affected step of an open incident, until that incident is resolved; or a torn snapshot: the
+trainer stepped the optimizer before its asynchronous save was staged,
+``policies.async_checkpoints``).
+
+A checkpoint is in the registry only once the hook recorded it, which an asynchronous save's
+hook does when its storage completed (``rh.checkpoint_saved``), never at staging: a snapshot
+staged and not stored is no recovery point.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.store import models
+from policies.async_checkpoints import UPDATES_BEFORE_STAGED, is_hook_metric
 from policies.checkpoints import CheckpointFacts, rewind_target, superseded, unsafe_checkpoints
 
 CHECKPOINT = models.table_of(models.CheckpointEvent)
@@ -290,7 +297,24 @@ def unsafe_for(
         )
     ).all()
     nonfinite = [r.first_step for r in open_rows if r.kind == "nonfinite"]
-    return unsafe_checkpoints(checkpoints, nonfinite, [r.first_step for r in open_rows])
+    unsafe = unsafe_checkpoints(checkpoints, nonfinite, [r.first_step for r in open_rows])
+    return {**torn_snapshots(connection, run_id), **unsafe}
+
+
+def torn_snapshots(connection: Connection, run_id: int) -> dict[int, str]:
+    """Checkpoints whose trainer made optimizer updates before their staging completed: the
+    snapshot can hold part of a later update, whatever its manifest says."""
+    rows = connection.execute(
+        sa.select(CHECKPOINT.c.id, CHECKPOINT.c.metrics).where(
+            CHECKPOINT.c.run_id == run_id, CHECKPOINT.c.metrics.is_not(None)
+        )
+    ).all()
+    torn = {}
+    for key, metrics in rows:
+        updates = (metrics or {}).get(UPDATES_BEFORE_STAGED)
+        if isinstance(updates, int | float) and updates > 0:
+            torn[key] = f"torn snapshot: {updates:g} optimizer update(s) before its staging completed"
+    return torn
 
 
 def registry(connection: Connection, run_id: int, local_node: str | None = None) -> list[dict[str, Any]]:
@@ -343,7 +367,7 @@ def _best_eval(rows: list[dict[str, Any]]) -> tuple[int, str, float] | None:
         (row["id"], name, value)
         for row in rows
         for name, value in (row["metrics"] or {}).items()
-        if isinstance(value, int | float) and value == value
+        if isinstance(value, int | float) and value == value and not is_hook_metric(name)
     ]
     if not metrics:
         return None

@@ -46,6 +46,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("policies", "hangs"): ("engine", "hangs"),
     ("policies", "readiness"): ("engine", "readiness"),
     ("policies", "restart_loop"): ("engine", "restart_loop"),
+    ("policies", "preemption"): ("engine", "preemption"),
     ("policies", "devices"): ("devices",),
     ("policies", "canary"): ("canaries", "comparison"),
     ("policies", "canary_schedule"): ("canaries", "schedule"),
@@ -68,6 +69,8 @@ LEGACY_VARIABLES: Mapping[str, Path] = {
     "RUNHEALTH_QUARANTINE_COMMAND": ("quarantine", "command"),
     "RUNHEALTH_QUARANTINE_WEBHOOK": ("quarantine", "webhook"),
     "RUNHEALTH_QUARANTINE_LIVE": ("quarantine", "live"),
+    # The notice a run owner knows for their platform (the README's preemption budget part).
+    "RUNHEALTH_PREEMPTION_WARNING_S": ("policies", "preemption", "warning_s"),
 }
 
 # The trainer's sections (collectors.config.RunHealthConfig's components: the hook reads

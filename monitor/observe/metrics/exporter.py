@@ -20,6 +20,7 @@ from monitor.observe.metrics.families import (
     incident_families,
     ingest_families,
     link_families,
+    preemption_family,
     run_families,
     straggler_family,
 )
@@ -63,6 +64,8 @@ class RunHealthCollector(Collector):
         device_grain = _grains(devices, config.device_grain)
         link_grain = _grains(links, config.link_grain)
         yield from run_families(runs)
+        budgets = {run.id: budget for run in runs if (budget := service.policies.budget(run.id)) is not None}
+        yield from preemption_family(runs, budgets)
         yield from ingest_families(runs, service.counter_snapshot())
         admission = service.admission.state()
         yield from admission_families(admission.in_flight, admission.shed)

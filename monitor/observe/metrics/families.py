@@ -17,6 +17,7 @@ from monitor.observe.metrics import names
 from monitor.observe.metrics.reads import OpenIncident, RunState
 from monitor.observe.metrics.sources import CanaryVerdict
 from policies.devices import DeviceReading, LinkReading
+from policies.preemption import Budget
 from policies.stragglers import StragglerScore
 
 # The service's ingest counters (``Service.count``) by the metric that exports each.
@@ -65,6 +66,16 @@ def run_families(runs: Sequence[RunState]) -> Iterator[Family]:
             if value is not None:
                 built.add_metric([run.name], float(value))
         yield built
+
+
+def preemption_family(runs: Sequence[RunState], budgets: Mapping[int, Budget]) -> Iterator[Family]:
+    """Each run's preemption slack, for the runs whose budget the service has judged."""
+    built = family(names.PREEMPTION_SLACK)
+    for run in runs:
+        budget = budgets.get(run.id)
+        if budget is not None:
+            built.add_metric([run.name], budget.slack_s)
+    yield built
 
 
 def ingest_families(runs: Sequence[RunState], counters: Mapping[tuple[str, str], int]) -> Iterator[Family]:

@@ -103,6 +103,13 @@ RUN_LAST_CHECKPOINT = Metric(
 RUN_LAST_CHECKPOINT_STEP = Metric(
     "runhealth_run_last_checkpoint_step", "gauge", RUN, "Step of the newest resumable checkpoint."
 )
+PREEMPTION_SLACK = Metric(
+    "runhealth_preemption_slack_seconds",
+    "gauge",
+    RUN,
+    "Preemption budget slack: the configured warning minus (p99 window + longest recent save + "
+    "margin), after the newest measured save; negative when a save cannot finish within the notice.",
+)
 
 # --- ingest (the service's own counters: they restart from 0 with the service) ----------------------
 
