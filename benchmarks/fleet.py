@@ -364,9 +364,9 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
     try:
         names, tokens, incarnations = create_runs(replicas[0], load.runs, load)
         with engine.connect() as connection:
-            ids: dict[str, int] = dict(
-                connection.execute(sa.text("SELECT name, id FROM runs")).tuples().all()
-            )
+            ids = {
+                str(name): int(id_) for name, id_ in connection.execute(sa.text("SELECT name, id FROM runs"))
+            }
         run_ids = [int(ids[name]) for name in names]
         fault = Fault(0, load.ranks // 2, load.fault_at, load.fault_every) if load.fault_at > 0 else None
         posters = posters_for(load, names, tokens, replicas)
