@@ -12,6 +12,7 @@ from monitor.ingest.admission import SheddingConfig
 from monitor.judge.config import CanaryServiceConfig, EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.config import DecisionConfig
+from monitor.store.retention import RetentionConfig
 from policies.devices import DevicesConfig
 from policies.drills import DrillConfig
 
@@ -66,5 +67,6 @@ class ServiceConfig:
     canaries: CanaryServiceConfig = field(default_factory=CanaryServiceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     # `runhealth drill`'s tolerances and budgets (not the service's: read by the CLI that runs it)
     drills: DrillConfig = field(default_factory=DrillConfig)

@@ -15,6 +15,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from monitor.config import SchedulerConfig
 from monitor.service import Service
+from monitor.store import retention
 
 log = logging.getLogger("runhealth.scheduler")
 
@@ -38,10 +39,23 @@ def start_scheduler(service: Service, config: SchedulerConfig) -> BackgroundSche
         "peer_compare": (service.compare_peers, config.peer_compare_s),
         "canary_schedule": (service.canaries.schedule_due, config.canary_s),
         "canary_rounds": (service.canaries.judge_waiting, config.canary_s),
+        "store_retention": (_retention(service), service.config.retention.check_s),
     }
     for name, (job, seconds) in jobs.items():
         scheduler.add_job(
             _guarded(name, job), "interval", seconds=seconds, id=name, max_instances=1, coalesce=True
         )
+    # The days ahead are made at start too (one short transaction): a service down for longer
+    # than they cover would otherwise send new records to the default partition until the
+    # first retention pass.
+    _guarded("partitions_ahead", _partitions_ahead(service))()
     scheduler.start()
     return scheduler
+
+
+def _retention(service: Service) -> Callable[[], object]:
+    return lambda: retention.maintain(service.engine, service.config.retention, service.clock())
+
+
+def _partitions_ahead(service: Service) -> Callable[[], object]:
+    return lambda: retention.create_ahead(service.engine, service.config.retention, service.clock())

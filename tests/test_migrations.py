@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Engine
 
-from monitor.store import migrate
+from monitor.ingest.batches import ConflictError, content_hash, ingest_batch
+from monitor.ingest.schemas import BatchIn
+from monitor.store import migrate, models, partitions
 from monitor.store.db import create_store_engine
 from monitor.store.models import Base
+from monitor.store.partitions import is_partition
 from policies.checkpoints import manifest_digest
-from tests.support import both_backends, require_binary, run_cli
+from tests.support import both_backends, require_binary, run_cli, step_record
 
 IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
 
@@ -63,7 +68,9 @@ def schema_differences(engine: Engine) -> list[Any]:
 
 
 def our_tables(engine: Engine) -> set[str]:
-    return set(sa.inspect(engine).get_table_names()) - {"alembic_version"}
+    """The tables, a partitioned table's partitions aside (PostgreSQL lists them as tables)."""
+    names = set(sa.inspect(engine).get_table_names()) - {"alembic_version"}
+    return {name for name in names if not is_partition(name)}
 
 
 def test_history_is_one_line_from_base_to_head() -> None:
@@ -188,3 +195,74 @@ def test_stored_checkpoints_get_their_digest_and_a_path_may_then_hold_versions(e
     with empty_store.connect() as connection:
         steps = connection.execute(sa.text("SELECT step FROM checkpoint_events")).scalars().all()
     assert steps == [9]
+
+
+@both_backends
+def test_time_partitions_keep_the_rows_and_their_keys(empty_store: Engine, backend: str) -> None:
+    """A store with records upgraded to partitions keeps every row, its id and the id sequence;
+    the records re-sent after it are duplicates and a conflict is still refused. Down again,
+    the rows are still there."""
+    migrate.upgrade(empty_store, "0010")
+    now = time.time()
+    times = [1000.0, now - 20 * 86400, now - 86400, now, now + 5 * 86400]  # 1970, old, ..., ahead
+    records = [step_record(attempt=i, time=t) for i, t in enumerate(times)]
+    run = make_run_at_revision(empty_store)
+    with empty_store.begin() as connection:  # as ingest stored them before (its key had no time)
+        connection.execute(models.table_of(models.StepRecord).insert(), [stored_row(r, now) for r in records])
+    before = rows_of(empty_store)
+    migrate.upgrade(empty_store)  # through 0011
+    assert rows_of(empty_store) == before
+    assert schema_differences(empty_store) == []
+    with empty_store.begin() as connection:
+        again = ingest_batch(connection, run, parse(records), now)
+        assert (again.accepted, again.duplicates) == (0, len(records))
+        with pytest.raises(ConflictError):
+            ingest_batch(connection, run, parse([step_record(attempt=3, time=now, loss_sum=1.0)]), now)
+    with empty_store.begin() as connection:
+        newer = ingest_batch(connection, run, parse([step_record(attempt=9, time=now)]), now)
+        assert newer.accepted == 1
+        ids = connection.execute(sa.text("SELECT id FROM step_records ORDER BY id")).scalars().all()
+    # The id sequence went on (PostgreSQL's ON CONFLICT spends values on duplicates too).
+    assert ids[:-1] == list(range(1, len(records) + 1)) and ids[-1] > len(records)
+    if backend == "postgres":
+        with empty_store.connect() as connection:
+            names = {p.name: p for p in partitions.partitions(connection, "step_records")}
+            query = sa.text("SELECT attempt, tableoid::regclass::text FROM step_records")
+            placed = {row[0]: row[1] for row in connection.execute(query)}
+        days = [partitions.day_of(t) for t in times]
+        assert placed[0] == "step_records_default"  # 1970: before the earliest day given a partition
+        for attempt in (1, 2, 3, 4):
+            assert placed[attempt] == partitions.partition_name("step_records", days[attempt])
+        today = partitions.day_of(now)
+        for offset in range(4):
+            assert partitions.partition_name("step_records", today + timedelta(days=offset)) in names
+    migrate.downgrade(empty_store, "0010")
+    assert len(rows_of(empty_store)) == len(records) + 1
+
+
+def make_run_at_revision(engine: Engine) -> int:
+    with engine.begin() as connection:
+        connection.execute(
+            sa.text("INSERT INTO runs (id, name, token_hash, created_at) VALUES (1, 'r', 't', 0)")
+        )
+    return 1
+
+
+def stored_row(record: dict[str, Any], now: float) -> dict[str, Any]:
+    [parsed] = parse([record])
+    row = parsed.model_dump(exclude={"kind"})
+    return {**row, "run_id": 1, "received_at": now, "content_hash": content_hash(row, has_dicts=False)}
+
+
+def parse(records: list[dict[str, Any]]) -> list[Any]:
+    return list(BatchIn.model_validate({"records": records}).records)
+
+
+def rows_of(engine: Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as connection:
+        return [
+            tuple(row)
+            for row in connection.execute(
+                sa.text("SELECT id, run_id, rank, attempt, time, content_hash FROM step_records ORDER BY id")
+            )
+        ]

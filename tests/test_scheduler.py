@@ -31,6 +31,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
             "peer_compare",
             "canary_schedule",
             "canary_rounds",
+            "store_retention",
         }
     finally:
         scheduler.shutdown(wait=True)

@@ -252,7 +252,7 @@ def _insert_new(connection: Connection, spec: TableSpec, rows: list[dict[str, An
     key_columns = [spec.table.c[name] for name in spec.key]
     statement = (
         dialect_insert(connection, spec.table)
-        .on_conflict_do_nothing(index_elements=["run_id", *spec.key])
+        .on_conflict_do_nothing(index_elements=models.unique_key(spec.table, connection.dialect.name))
         .returning(*key_columns)
     )
     return {tuple(row) for row in connection.execute(statement, rows)}

@@ -12,7 +12,7 @@ from policies.types import Finding
 
 INCARNATION = models.table_of(models.Incarnation)
 CHECKPOINT = models.table_of(models.CheckpointEvent)
-STEP = models.table_of(models.StepRecord)
+SUMMARY = models.table_of(models.StepSummary)
 INCIDENT = models.table_of(models.Incident)
 
 
@@ -31,11 +31,13 @@ def lives(connection: Connection, run_id: int) -> list[Life]:
             .group_by(CHECKPOINT.c.incarnation)
         ).all()
     )
+    # From the per-window summaries, which retention keeps (raw step records go after
+    # ``retention.raw_days``; a run's old incarnations are still part of its restart history).
     reached = dict(
         connection.execute(
-            sa.select(STEP.c.incarnation, sa.func.max(STEP.c.step))
-            .where(STEP.c.run_id == run_id)
-            .group_by(STEP.c.incarnation)
+            sa.select(SUMMARY.c.incarnation, sa.func.max(SUMMARY.c.step))
+            .where(SUMMARY.c.run_id == run_id)
+            .group_by(SUMMARY.c.incarnation)
         ).all()
     )
     return [

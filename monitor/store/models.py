@@ -111,6 +111,41 @@ def _column_type(field: protocol.Field, wide: bool, length: int | None) -> Any:
     return sa.JSON()  # documents, lists, maps and nested structures
 
 
+PARTITION_COLUMN = "time"
+"""On PostgreSQL the raw per-rank tables (``PARTITIONED_TABLES``) are partitioned by range on
+the record's own time (migration 0011, ``monitor.store.partitions``)."""
+
+PARTITIONED_TABLES = ("step_records", "device_samples", "link_samples")
+
+
+def raw_record_keys(*key: str) -> tuple[sa.UniqueConstraint, sa.UniqueConstraint]:
+    """The unique key of a raw per-rank table, per backend. A unique key of a partitioned
+    PostgreSQL table must hold its partition column, so there it is the key plus the record's
+    time; on SQLite it is the key itself. ``unique_key`` says which one a dialect has."""
+    return (
+        sa.UniqueConstraint(*key).ddl_if(dialect="sqlite"),
+        sa.UniqueConstraint(*key, PARTITION_COLUMN).ddl_if(dialect="postgresql"),
+    )
+
+
+def constraint_dialect(constraint: sa.Constraint) -> str | None:
+    """The one dialect a constraint is made on (``raw_record_keys``), or ``None`` for all."""
+    condition = getattr(constraint, "_ddl_if", None)
+    dialect = getattr(condition, "dialect", None)
+    return dialect if isinstance(dialect, str) else None
+
+
+def unique_key(table: sa.Table, dialect: str) -> tuple[str, ...]:
+    """The columns of ``table``'s unique key on ``dialect``: the ``ON CONFLICT`` target of an
+    idempotent insert (a table has one unique key per dialect)."""
+    [constraint] = [
+        c
+        for c in table.constraints
+        if isinstance(c, sa.UniqueConstraint) and constraint_dialect(c) in (None, dialect)
+    ]
+    return tuple(column.name for column in constraint.columns)
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {float: Float64(), dict[str, Any]: sa.JSON(), list[Any]: sa.JSON()}
@@ -160,7 +195,7 @@ class StepRecord(Base):
         *record_columns(protocol.STEP, wide={"consumed", "tokens"}, lengths={"device_uuid": 100}),
         sa.Column("received_at", Float64(), nullable=False),
         sa.Column("content_hash", sa.String(32), nullable=False),
-        sa.UniqueConstraint("run_id", *protocol.STEP.key),
+        *raw_record_keys("run_id", *protocol.STEP.key),
         # A window's records, as the engine reads them (migration 0010).
         sa.Index("ix_step_records_window", "run_id", "incarnation", "attempt"),
     )
@@ -224,7 +259,7 @@ class DeviceSample(Base):
     """One NVML reading of one device. Key: (run, node, device UUID, sequence)."""
 
     __tablename__ = "device_samples"
-    __table_args__ = (sa.UniqueConstraint("run_id", "node", "device_uuid", "seq"),)
+    __table_args__ = raw_record_keys("run_id", "node", "device_uuid", "seq")
 
     id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
@@ -249,7 +284,7 @@ class LinkSample(Base):
     """One reading of one InfiniBand/RoCE port. Key: (run, node, device, port, sequence)."""
 
     __tablename__ = "link_samples"
-    __table_args__ = (sa.UniqueConstraint("run_id", "node", "device", "port", "seq"),)
+    __table_args__ = raw_record_keys("run_id", "node", "device", "port", "seq")
 
     id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
