@@ -12,7 +12,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from monitor.config import ServiceConfig
 from monitor.errors import ConfigError
+from monitor.scheduler import start_scheduler
 from monitor.service import Service
 from monitor.settings import service_config
 from monitor.store import partitions
@@ -211,3 +213,25 @@ def wait_for(condition: Any, what: str, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+@postgres_only
+def test_the_service_makes_the_days_ahead_when_it_starts(
+    store: Engine, service_config: ServiceConfig
+) -> None:
+    """A service started long after the last pass (its clock 30 days on) makes its days at once,
+    and schedules the hourly pass."""
+    later = time.time() + 30 * DAY
+    service = Service(store, service_config, clock=lambda: later)
+    scheduler = start_scheduler(service, service_config.scheduler)
+    try:
+        with store.connect() as connection:
+            names = {p.name for p in partitions.partitions(connection, "link_samples")}
+        for offset in range(4):
+            assert (
+                partitions.partition_name("link_samples", partitions.day_of(later) + timedelta(days=offset))
+                in names
+            )
+        assert scheduler.get_job("store_retention").trigger.interval.total_seconds() == 3600
+    finally:
+        scheduler.shutdown(wait=True)

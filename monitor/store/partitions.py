@@ -7,7 +7,12 @@ a record re-sent carries the time of its first copy, so it lands in the same par
 no day partition covers (a trainer whose clock is days off, a late record of a day retention
 already dropped), so ingest never fails on a record's time. Day partitions are created ahead
 by the service (``ensure_ahead``, a scheduled job) and at migration time; retention drops
-them whole (``drop_before``). SQLite keeps one table per kind.
+them whole (``drop``). SQLite keeps one table per kind.
+
+Heartbeats are not partitioned: their table holds one row per rank of each incarnation, updated
+in place by the newest heartbeat (``ON CONFLICT (run, incarnation, rank) DO UPDATE``). A unique
+key holding a time would make every heartbeat a new row, so the table would grow with time
+instead of with ranks; retention deletes the rows of ranks silent for the period instead.
 """
 
 from __future__ import annotations
