@@ -61,6 +61,7 @@ class SaveMark:
     thread: int
     staged: float | None = None
     updates_before_staged: int = 0
+    previous_gone: bool = False  # the last recorded checkpoint was gone when this save started
     tags: list[str] = field(default_factory=list)
 
 
@@ -117,6 +118,7 @@ class CheckpointEvents:
         mark = SaveMark(
             step, time.perf_counter(), self._updates_seen(), self._windows.consumed, threading.get_ident()
         )
+        mark.previous_gone = self._previous_gone(None)
         with self._saves_lock:
             if len(self._saves) >= MAX_PENDING_SAVES:
                 dropped = self._saves.popleft()
@@ -184,18 +186,29 @@ class CheckpointEvents:
             mark = self._mark(step, staged=None)
             if mark is not None:
                 self._saves.remove(mark)
+        gone = self._previous_gone(location)
         previous, self._published = self._published, location
         if mark is None:
             return None
-        if mark.staged is not None:
+        asynchronous = mark.staged is not None
+        if asynchronous:
             mark.tags.append(saves.ASYNC_TAG)
-        # One stat, once per checkpoint: is the recovery point this hook published last still
-        # there? An asynchronous save over it in place replaces it while the new one uploads.
-        if previous is not None and "://" not in previous:
-            in_place = previous == location and mark.staged is not None
-            if in_place or (previous != location and not os.path.exists(previous)):
-                mark.tags.append(saves.PREVIOUS_DELETED_TAG)
+        # A blocking save's trainer may delete the previous checkpoint once the new one is
+        # written and before it calls ``checkpoint_saved`` (the transformers Trainer's rotation
+        # does): only a previous one gone before the save began is early. An asynchronous save's
+        # is early until its storage completed; one written over it in place replaces it then.
+        in_place = asynchronous and previous == location
+        if in_place or mark.previous_gone or (asynchronous and gone):
+            mark.tags.append(saves.PREVIOUS_DELETED_TAG)
         return mark
+
+    def _previous_gone(self, location: str | None) -> bool:
+        """Whether the checkpoint this hook recorded last (not ``location``) is gone: one
+        ``stat``, at a save's start and end only. A URL is not looked at."""
+        previous = self._published
+        if previous is None or previous == location or "://" in previous:
+            return False
+        return not os.path.exists(previous)
 
     @staticmethod
     def _save_metrics(mark: SaveMark, published: float) -> dict[str, float]:

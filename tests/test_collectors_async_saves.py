@@ -295,3 +295,32 @@ def test_the_previous_recovery_point_deleted_before_the_new_one_is_published_is_
     (finding,) = findings(service, run, "previous_deleted_before_publish")
     assert finding["message"].startswith(f"the previous recovery point (step 5, {tmp_path / 'ckpt-5'}) was")
     assert "before the checkpoint of step 10" in finding["message"]
+
+
+def test_a_blocking_save_rotating_the_previous_one_after_writing_is_fine_deleting_it_first_is_not(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    trainer = Trainer(service, run, tmp_path)
+    rh = trainer.rh
+
+    def blocking_save(step: int) -> Path:
+        rh.checkpoint_saving()
+        folder = tmp_path / f"ckpt-{step}"
+        folder.mkdir()
+        torch.save(trainer.state(), folder / "model.pt")
+        return folder
+
+    with rh:
+        for step in (5, 10):  # "keep last 1" after the new one is written (the Trainer's rotation)
+            trainer.train(5)
+            folder = blocking_save(step)
+            if step == 10:
+                shutil.rmtree(tmp_path / "ckpt-5")
+            rh.checkpoint_saved(step, folder)
+        assert wait_until(lambda: (recorded(service, run).get(10) or {}).get("manifest") is not None, 60)
+        trainer.train(5)
+        shutil.rmtree(tmp_path / "ckpt-10")  # gone before the next save even began
+        rh.checkpoint_saved(15, blocking_save(15))
+        trainer.train(1)
+    (finding,) = findings(service, run, "previous_deleted_before_publish")
+    assert finding["step"] == 15 and f"(step 10, {tmp_path / 'ckpt-10'})" in finding["message"]
