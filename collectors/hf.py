@@ -136,6 +136,10 @@ class RunHealthCallback(TrainerCallback):
             scaler=getattr(optimizer, "scaler", None),
             scheduler=lr_scheduler,
         )
+        # The batch the Trainer runs (for the service's batch arithmetic on resume).
+        self.rh.declare_batch(
+            micro_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps
+        )
         self.rh.start()
         if model is not None and self._forward_handle is None:
             self._forward_handle = model.register_forward_hook(self._after_forward, with_kwargs=True)

@@ -63,6 +63,7 @@ from collectors.sender import Sender, Transport
 from collectors.stacks import StackDump, dump_stacks
 from collectors.window import Counting, PendingWindow
 from collectors.wire import Record
+from policies.batch_size import declaration
 from policies.protocol import to_wire
 
 log = logging.getLogger("runhealth.collectors")
@@ -315,6 +316,24 @@ class RunHealth:
         self._windows.restart(records.step_identity(self.identity, incarnation))
         if self.identity.rank == 0:
             self._sender.submit(self._run_start())
+
+    @guarded
+    def declare_batch(
+        self,
+        *,
+        micro_batch: int | None = None,
+        accumulation: int | None = None,
+        schedule_unit: Literal["updates", "examples", "tokens"] | None = None,
+    ) -> None:
+        """What this start's batch is, for the service's batch arithmetic on resume
+        (``policies.batch_size``): sequences per replica's microbatch, microbatches per update,
+        and what the scheduler's milestones are counted in (``examples`` or ``tokens``: remapped
+        to a data budget, so a resume that changes the global batch leaves them in place). Sent
+        with rank 0's run-start record: call it before ``start()`` (the framework adapters fill
+        in what their framework knows: a field declared already is kept)."""
+        declared = self._run_config.get("batch")
+        given = declaration(micro_batch=micro_batch, accumulation=accumulation, schedule_unit=schedule_unit)
+        self._run_config["batch"] = {**given, **(declared if isinstance(declared, dict) else {})}
 
     # Late wiring (framework adapters create the optimizer after the callback).
 

@@ -125,6 +125,9 @@ class RunHealthCallback(Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             scheduler=schedulers[0] if schedulers else None,
         )
+        # Microbatches per update (for the service's batch arithmetic on resume); Lightning's
+        # microbatch size is its dataloader's, which the trainer may not expose: not guessed.
+        self.rh.declare_batch(accumulation=int(trainer.accumulate_grad_batches))
         self.rh.start()
         self._wrap_save(trainer)
         self._observe_clipping(trainer)

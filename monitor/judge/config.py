@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policies.batch_size import BatchConfig
 from policies.canary import CanaryConfig, ScheduleConfig
+from policies.checkpoint_interval import IntervalConfig
 from policies.hangs import HangConfig
 from policies.preemption import PreemptionConfig
 from policies.rank_loss import RankLossConfig
@@ -36,6 +38,8 @@ class EngineConfig:
     hangs: HangConfig = field(default_factory=HangConfig)
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     restart_loop: RestartLoopConfig = field(default_factory=RestartLoopConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint_interval: IntervalConfig = field(default_factory=IntervalConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     cached_windows: int = 1024
     judge_chunk: int = 256

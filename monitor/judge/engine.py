@@ -18,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from monitor.judge.batches import judge_batch
 from monitor.judge.config import EngineConfig
 from monitor.judge.incidents import IncidentRecorder
 from monitor.judge.readings import RANK_FIELDS, point_from_summary, rank_window
@@ -53,6 +54,8 @@ class _RunState:
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
     # When this service first saw each window still unjudged (its clock): see ``policies.readiness``.
     arrived: dict[tuple[str, int], float] = field(default_factory=dict)
+    # Incarnations whose batch was compared with the one before (``monitor.judge.batches``).
+    batch_judged: set[str] = field(default_factory=set)
 
 
 class PolicyEngine:
@@ -132,7 +135,21 @@ class PolicyEngine:
                     connection.execute(
                         SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in chunk])).values(judged=True)
                     )
+            touched += self._judge_batches(run_id, state, {s["incarnation"] for s in ready})
         return sorted(set(touched))
+
+    def _judge_batches(self, run_id: int, state: _RunState, incarnations: set[str]) -> list[int]:
+        """Each incarnation's batch against the one before it, once it has judged enough windows."""
+        touched: list[int] = []
+        for incarnation in sorted(incarnations - state.batch_judged):
+            with self._engine.begin() as connection:
+                findings = judge_batch(connection, run_id, incarnation, self._config.batch)
+                if findings is None:
+                    continue
+                state.batch_judged.add(incarnation)
+                detected = min((f.step for f in findings), default=state.last_step)
+                touched += self.incidents.record(connection, run_id, findings, detected)
+        return touched
 
     def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
         """Records whose window was judged before they arrived (replayed from a spool): judged

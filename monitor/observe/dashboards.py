@@ -139,6 +139,33 @@ def run_overview() -> Dashboard:
                 width=8,
             ),
             Panel(
+                "Goodput",
+                (q(f"{n.RUN_GOODPUT.name}{{{RUN}}}", "{{run}}"),),
+                unit="percentunit",
+                width=8,
+                description="Productive training over the run's wall time, across its incarnations: "
+                "runhealth goodput RUN says how each cause was measured.",
+            ),
+            Panel(
+                "Badput by cause",
+                (q(f"{n.RUN_BADPUT.name}{{{RUN}}}", "{{run}} {{cause}}"),),
+                unit="s",
+                width=8,
+                description="Wall time lost: start-up and restore, checkpoint saves, work redone after "
+                "rollbacks and restarts, hangs before detection, canaries, data wait, holds, down time.",
+            ),
+            Panel(
+                "Checkpoint interval: today and advised",
+                (
+                    q(f"{n.RUN_CHECKPOINT_INTERVAL.name}{{{RUN}}}", "{{run}} today"),
+                    q(f"{n.RUN_CHECKPOINT_INTERVAL_ADVISED.name}{{{RUN}}}", "{{run}} advised (Young/Daly)"),
+                ),
+                unit="s",
+                width=8,
+                description="Compute between saves today, and sqrt(2 x save cost x mean time between "
+                "interruptions) from the run's own saves and interruptions (or the configured fleet rate).",
+            ),
+            Panel(
                 "Rank heartbeats",
                 (
                     q(f"time() - {n.RUN_OLDEST_HEARTBEAT.name}{{{RUN}}}", "{{run}} worst rank silence"),

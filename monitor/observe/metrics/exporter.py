@@ -24,6 +24,7 @@ from monitor.observe.metrics.families import (
     run_families,
     straggler_family,
 )
+from monitor.observe.metrics.goodput import goodput_families, read_goodput
 
 if TYPE_CHECKING:
     from monitor.service import Service
@@ -58,12 +59,14 @@ class RunHealthCollector(Collector):
             proposals = service.metric_sources.pending_proposals(connection)
             canaries = service.metric_sources.canary_verdicts(connection, {r.id: r.ranks or 0 for r in runs})
             stragglers = self._stragglers(connection, runs)
+            goodput = read_goodput(connection, runs, service.config.engine.checkpoint_interval, hangs)
         name_of = {run.id: run.name for run in runs}
         devices = [(name_of[i], r) for i, r in state.device_readings(service.fleet) if i in name_of]
         links = [(name_of[i], r) for i, r in state.link_readings(service.fleet) if i in name_of]
         device_grain = _grains(devices, config.device_grain)
         link_grain = _grains(links, config.link_grain)
         yield from run_families(runs)
+        yield from goodput_families(goodput)
         budgets = {run.id: budget for run in runs if (budget := service.policies.budget(run.id)) is not None}
         yield from preemption_family(runs, budgets)
         yield from ingest_families(runs, service.counter_snapshot())

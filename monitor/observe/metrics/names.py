@@ -226,5 +226,33 @@ CANARY_MISMATCH = Metric(
 # The series of the service itself, not of a run: no run label.
 SERVICE_WIDE: tuple[Metric, ...] = (INGEST_SHED, INGEST_IN_FLIGHT)
 
+# --- goodput and checkpoint interval advice (monitor.judge.goodput) ---------------------------------
+RUN_GOODPUT = Metric(
+    "runhealth_run_goodput_ratio",
+    "gauge",
+    RUN,
+    "Productive training time over the run's wall time, across its incarnations (runhealth goodput RUN).",
+)
+RUN_BADPUT = Metric(
+    "runhealth_run_badput_seconds",
+    "gauge",
+    (*RUN, "cause"),
+    "Wall time not spent training productively, by cause (policies.goodput.Cause: startup_restore, "
+    "checkpoint_save, redone_rollback, redone_restart, hung_before_detection, canary, data_wait, hold, "
+    "down, other); a cause that was not measured has no series.",
+)
+RUN_CHECKPOINT_INTERVAL = Metric(
+    "runhealth_run_checkpoint_interval_seconds",
+    "gauge",
+    RUN,
+    "Compute between two checkpoint saves today: the median time between saves less the save cost.",
+)
+RUN_CHECKPOINT_INTERVAL_ADVISED = Metric(
+    "runhealth_run_checkpoint_interval_advised_seconds",
+    "gauge",
+    RUN,
+    "Young/Daly's checkpoint interval sqrt(2 x save cost x mean time between interruptions).",
+)
+
 ALL: tuple[Metric, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Metric))
 BY_NAME = {metric.name: metric for metric in ALL}
