@@ -121,6 +121,7 @@ def test_preemption_with_a_warning_that_fits_and_one_that_does_not(
         fits = measured(report, "sigterm_fits_warning")
         assert fits["published_step"] > fits["durable_step"]  # saved at the boundary after the signal
         assert fits["consumed"] == fits["step"] * fits["examples_per_update"]
+        assert fits["warning_s"] > 5  # T_window + T_save + the default 5 s margin
         short = measured(report, "sigterm_short_warning")
         assert short["warning_s"] < fits["warning_s"]
         assert short["consumed"] == short["step"] * short["examples_per_update"]
@@ -139,3 +140,4 @@ def test_diagnostics_names_the_nonfinite_batch_and_the_straggler(
         assert measured(report, "straggler_named")["ranks"] == [2]
         assert measured(report, "unsafe_state_not_a_target")["target_step"] < 45
         assert measured(report, "configured_recovery")["action"] == "rollback"
+        assert measured(report, "configured_recovery")["retry"] == "rollback 1 of 2 for this incident"

@@ -227,11 +227,16 @@ def _recovery(connection: sa.Connection, run: str, proposals: list[dict[str, Any
             return Check(
                 name, False, f"proposal {proposal['id']} but no hold directive (configured: hold)", measured
             )
+    # the retry bound is in the proposal's reasons (policies.retries: "rollback 1 of 2 ...")
+    reasons = [str(r) for r in (proposal["evidence"] or {}).get("reasons", [])]
+    parts = [part for reason in reasons for part in reason.split("; ")]
+    bound = next((part for part in parts if part.endswith("for this incident")), "no retry bound stated")
+    measured["retry"] = bound
     return Check(
         name,
         True,
-        f"proposal {proposal['id']}: rollback to update {proposal['target']['step']}, {proposal['status']}; "
-        f"automatic response: {response}",
+        f"proposal {proposal['id']}: rollback to update {proposal['target']['step']}, {proposal['status']}, "
+        f"{bound}; automatic response: {response}",
         measured,
     )
 
