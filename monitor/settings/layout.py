@@ -34,6 +34,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("quarantine",): ("decisions", "actions"),
     ("canaries",): ("canaries",),
     ("scheduler",): ("scheduler",),
+    ("retention",): ("retention",),
     ("policies", "spike"): ("engine", "series", "loss_spike"),
     ("policies", "grad_norm_spike"): ("engine", "series", "grad_norm_spike"),
     ("policies", "numerics"): ("engine", "series", "numerics"),
