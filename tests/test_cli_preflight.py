@@ -10,9 +10,12 @@ import sqlalchemy as sa
 import torch
 
 from collectors.canary import CanaryConfig, describe_stack, run_suite, stack_key
+from monitor.config import ServiceConfig
+from monitor.service import Service
 from monitor.store import migrate, models
 from monitor.store.db import create_store_engine, resolve_url
-from tests.support import cli_result
+from tests.support import ADMIN_TOKEN, cli_result, make_run, post
+from tests.test_judge_saves import saved, windows
 
 
 def test_the_reference_texts_memory_example_is_rejected_with_its_arithmetic(
@@ -112,3 +115,52 @@ def test_a_kernel_that_misses_the_golden_fails_the_node(
         f"preflight: FAIL canary: cpu: canary kernels gemm_bf16 miss the golden fingerprints of stack "
         f"{stack_key(describe_stack(torch.device('cpu')))}"
     ]
+
+
+def _run_with_a_timed_save(tmp_path: Path, save_s: float) -> str:
+    """A store whose run has 20 windows of 10 s and one save timed at ``save_s``."""
+
+    path = tmp_path / "store.db"
+    engine = create_store_engine(resolve_url(str(path), {}), create_dir=True)
+    migrate.upgrade(engine)
+    run = make_run(engine, "run-a")
+    post(
+        Service(engine, ServiceConfig(admin_token=ADMIN_TOKEN)),
+        run,
+        [*windows(range(20)), saved(tmp_path, 19, save_s=save_s)],
+    )
+    engine.dispose()
+    return str(path)
+
+
+@pytest.mark.parametrize(("warning", "ok"), [("30", True), ("29.9", False)])
+def test_the_preemption_budget_from_the_last_runs_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], warning: str, ok: bool
+) -> None:
+    db = _run_with_a_timed_save(tmp_path, save_s=15.0)  # 10 + 15 + 5 = 30 s
+    code, out, err = cli_result(
+        capsys, "preflight", "--db", db, "--run", "run-a", "--warning-s", warning, "--no-canaries"
+    )
+    if ok:
+        assert code == 0 and "T_warning 30 s >= T_window 10 s + T_save 15 s + T_margin 5 s = 30 s" in out
+    else:
+        assert code == 1 and out == ""
+        assert err.strip().splitlines() == [
+            "preflight: FAIL preemption_budget: run run-a's save path does not fit the warning: T_warning 29.9 s "
+            "< T_window 10 s + T_save 15 s + T_margin 5 s = 30 s (slack -0.1 s; p99 of 20 windows, longest of 1 timed saves)"
+        ]
+
+
+def test_a_run_without_a_timed_save_cannot_pass_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = _run_with_a_timed_save(tmp_path, save_s=15.0)
+    code, _, err = cli_result(capsys, "preflight", "--db", db, "--run", "run-a", "--no-canaries")
+    assert code == 2 and "--run needs the platform's warning" in err
+    engine = create_store_engine(resolve_url(db, {}))
+    make_run(engine, "run-b")
+    engine.dispose()
+    code, _, err = cli_result(
+        capsys, "preflight", "--db", db, "--run", "run-b", "--warning-s", "30", "--no-canaries"
+    )
+    assert code == 1 and "run run-b has no timed window and measured save" in err

@@ -2,6 +2,8 @@
 
 - the memory plan (``policies.memory_plan``): base weights at the plan's bits, plus the optional
   gradient, optimizer, activation and other terms, against the usable device budget;
+- the preemption budget (``--run``): the run's p99 window and longest recent save, timed by the
+  hook, plus the margin, against the platform's warning (``policies.preemption``);
 - this node's devices: the canary suite run twice on each, against the golden fingerprints the
   store holds for the device's stack (``collectors.node_check``).
 
@@ -21,12 +23,15 @@ import typer
 
 from monitor.cli.options import DbOption, JsonOption, reading
 from monitor.cli.render import UserError, print_json
-from monitor.store import models
+from monitor.judge.saves import run_budget
+from monitor.store import models, queries
 from monitor.store.db import DEFAULT_DB_FILE
 from policies.memory_plan import MemoryPlan, check_memory_plan
+from policies.preemption import PreemptionConfig
 
 FAILED = 1
 GOLDEN = models.table_of(models.CanaryGolden)
+STEP = models.table_of(models.StepRecord)
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
@@ -61,6 +66,43 @@ def memory_check(plan_args: dict[str, Any]) -> dict[str, Any] | None:
         "headroom_bytes": verdict.headroom_bytes,
         "base_only": verdict.base_only,
         "terms": [{"name": t.name, "bytes": t.bytes, "arithmetic": t.arithmetic} for t in verdict.terms],
+    }
+
+
+def budget_check(db: str | None, run: str, warning_s: float | None, margin_s: float) -> dict[str, Any]:
+    """The preemption budget from ``run``'s newest incarnation: its windows and measured saves
+    against the platform's warning (``policies.preemption``)."""
+    if warning_s is None:
+        raise UserError("--run needs the platform's warning: --warning-s or RUNHEALTH_PREEMPTION_WARNING_S")
+    try:
+        config = PreemptionConfig(warning_s=warning_s, margin_s=margin_s)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    with reading(db) as connection:
+        run_id = int(queries.run_row(connection, run).id)
+        # the incarnation that reported last: the one a relaunch follows
+        incarnation = connection.execute(
+            sa.select(STEP.c.incarnation).where(STEP.c.run_id == run_id).order_by(STEP.c.id.desc()).limit(1)
+        ).scalar()
+        budget = run_budget(connection, run_id, incarnation, config) if incarnation else None
+    if budget is None:
+        return {
+            "check": "preemption_budget",
+            "ok": False,
+            "message": f"run {run} has no timed window and measured save to check the budget with "
+            "(the hook times saves between rh.checkpoint_saving() and rh.checkpoint_saved())",
+        }
+    verb = "fits" if budget.fits else "does not fit"
+    return {
+        "check": "preemption_budget",
+        "ok": budget.fits,
+        "message": f"run {run}'s save path {verb} the warning: {budget.arithmetic()} "
+        f"(slack {budget.slack_s:.3g} s; p99 of {budget.windows} windows, longest of {budget.saves} timed saves)",
+        "warning_s": budget.warning_s,
+        "window_s": budget.window_s,
+        "save_s": budget.save_s,
+        "margin_s": budget.margin_s,
+        "slack_s": budget.slack_s,
     }
 
 
@@ -131,6 +173,21 @@ def preflight(
     shards: Annotated[
         int, typer.Option("--shards", help="Devices that shard weights, gradients and optimizer state.")
     ] = 1,
+    run: Annotated[
+        str | None,
+        typer.Option("--run", help="Check the preemption budget with this run's measured windows and saves."),
+    ] = None,
+    warning_s: Annotated[
+        float | None,
+        typer.Option(
+            "--warning-s",
+            envvar="RUNHEALTH_PREEMPTION_WARNING_S",
+            help="The platform's preemption warning, seconds.",
+        ),
+    ] = None,
+    margin_s: Annotated[
+        float, typer.Option("--margin-s", help="T_margin of the budget, seconds (network and disk jitter).")
+    ] = PreemptionConfig().margin_s,
     canaries: Annotated[
         bool, typer.Option("--canaries/--no-canaries", help="Run the canary suite on this node's devices.")
     ] = True,
@@ -150,6 +207,8 @@ def preflight(
         "shards": shards,
     }
     checks = [check for check in [memory_check(plan_args)] if check is not None]
+    if run is not None:
+        checks.append(budget_check(db, run, warning_s, margin_s))
     if canaries:
         checks += canary_checks(db)
     if not checks:
