@@ -65,8 +65,9 @@ HOW: Mapping[Cause, str] = {
     Cause.STARTUP_RESTORE: "each incarnation's start record (the hook's attach: what the process did "
     "before it is not seen) to its first window's start (that window's end less the incarnation's "
     "median window compute)",
-    Cause.CHECKPOINT_SAVE: "each checkpoint's publication less its save start when recorded, else "
-    "less the end of the window before it (logging between the two counts as save)",
+    Cause.CHECKPOINT_SAVE: "each checkpoint's save as the hook timed it (rh.checkpoint_saving to "
+    "checkpoint_saved; an asynchronous save's staging only), else its publication less the end of "
+    "the window before it (logging between the two counts as save)",
     Cause.REDONE_ROLLBACK: "compute of windows at steps a rollback's restore went back over",
     Cause.REDONE_RESTART: "compute of windows at steps a restart (not a rollback) went back over",
     Cause.HUNG: "a hang incident's detection less the end of its incarnation's last window",

@@ -16,7 +16,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.judge.resumes import started_by_rollback
+from monitor.judge.saves import measured_save
 from monitor.store import models
+from policies.async_checkpoints import ASYNC_TAG, STAGING_S
 from policies.checkpoint_interval import IntervalAdvice, IntervalConfig, advise
 from policies.goodput import Goodput, GoodputFacts, Life, Span, Stall, Window, goodput
 from policies.hangs import HangConfig
@@ -136,14 +138,32 @@ def _save_times(connection: Connection, run_id: int, incarnation: str) -> list[f
 
 
 def _checkpoints(connection: Connection, run_id: int) -> list[Stall]:
-    """Each checkpoint (all its ranks' records) as a stall ending at its publication. Its start
-    is not recorded, so the stall begins when the window before it ended."""
+    """Each checkpoint (all its ranks' records) as the stall it made: where the hook timed the
+    save (``rh.checkpoint_saving`` to ``checkpoint_saved``), that long before its publication, or
+    for an asynchronous one only its staging (training goes on while it is stored); otherwise
+    from the end of the window before it to its publication."""
     rows = connection.execute(
-        sa.select(CHECKPOINT.c.incarnation, sa.func.max(CHECKPOINT.c.time))
+        sa.select(CHECKPOINT.c.incarnation, CHECKPOINT.c.step, CHECKPOINT.c.time, CHECKPOINT.c.metrics,
+                  CHECKPOINT.c.tags)
         .where(CHECKPOINT.c.run_id == run_id)
-        .group_by(CHECKPOINT.c.incarnation, CHECKPOINT.c.step)
-    ).all()
-    return [Stall(incarnation, float(end)) for incarnation, end in rows]
+    ).all()  # fmt: skip
+    stalls: dict[tuple[str, int], Stall] = {}
+    for row in rows:
+        stall = _stall(row.incarnation, float(row.time), row.metrics, row.tags)
+        known = stalls.get((row.incarnation, row.step))
+        if known is None or stall.end > known.end:  # the last rank's publication
+            stalls[(row.incarnation, row.step)] = stall
+    return list(stalls.values())
+
+
+def _stall(incarnation: str, published: float, metrics: Any, tags: Any) -> Stall:
+    save = measured_save(metrics)
+    staging = (metrics or {}).get(STAGING_S)
+    if save is None:
+        return Stall(incarnation, published)
+    if ASYNC_TAG in (tags or ()) and isinstance(staging, int | float) and 0 <= staging <= save:
+        return Stall(incarnation, published - save + float(staging), float(staging))
+    return Stall(incarnation, published, save)
 
 
 def _canaries(connection: Connection, run_id: int) -> list[Stall]:
