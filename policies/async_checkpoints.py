@@ -21,6 +21,7 @@ ordering, broken or not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from policies.types import Finding, Severity
 
@@ -67,27 +68,18 @@ def save_findings(save: SaveFacts) -> list[Finding]:
     found = []
     if save.updates_before_staged > 0:
         staged = f" (staging took {save.staging_s:.3g} s)" if save.staging_s is not None else ""
+        message = (
+            f"the trainer made {save.updates_before_staged} optimizer update(s) before the checkpoint "
+            f"of step {save.step} at {save.path} was staged{staged}: its snapshot can mix two "
+            "updates, so it is no rollback target; wait for staging "
+            "(response.staging_completion.result()) before the next optimizer step"
+        )
+        evidence: dict[str, Any] = {
+            "updates_before_staged": save.updates_before_staged,
+            "staging_s": save.staging_s,
+        }
         found.append(
-            Finding(
-                step=save.step,
-                kind=UPDATED_BEFORE_STAGED,
-                severity=Severity.WARNING,
-                signal="updates_before_staged",
-                value=float(save.updates_before_staged),
-                threshold=0.0,
-                message=(
-                    f"the trainer made {save.updates_before_staged} optimizer update(s) before the "
-                    f"checkpoint of step {save.step} at {save.path} was staged{staged}: its snapshot "
-                    "can mix two updates, so it is no rollback target; wait for staging "
-                    "(response.staging_completion.result()) before the next optimizer step"
-                ),
-                incarnation=save.incarnation,
-                evidence={
-                    "path": save.path,
-                    "updates_before_staged": save.updates_before_staged,
-                    "staging_s": save.staging_s,
-                },
-            )
+            _warning(save, UPDATED_BEFORE_STAGED, float(save.updates_before_staged), 0.0, message, evidence)
         )
     if save.previous_deleted:
         previous = (
@@ -95,26 +87,31 @@ def save_findings(save: SaveFacts) -> list[Finding]:
             if save.previous_path is not None
             else "the previous recovery point"
         )
-        found.append(
-            Finding(
-                step=save.step,
-                kind=PREVIOUS_DELETED,
-                severity=Severity.WARNING,
-                signal="previous_deleted",
-                value=1.0,
-                threshold=None,
-                message=(
-                    f"{previous} was deleted or overwritten before the checkpoint of step "
-                    f"{save.step} at {save.path} was published: a failure while it was stored would "
-                    "have left no checkpoint to restart from; delete the previous one only after "
-                    "rh.checkpoint_saved (storage done), and save each checkpoint under a new name"
-                ),
-                incarnation=save.incarnation,
-                evidence={
-                    "path": save.path,
-                    "previous_path": save.previous_path,
-                    "previous_step": save.previous_step,
-                },
-            )
+        message = (
+            f"{previous} was deleted or overwritten before the checkpoint of step {save.step} at "
+            f"{save.path} was published: a failure while it was stored would have left no "
+            "checkpoint to restart from; delete the previous one only after rh.checkpoint_saved "
+            "(storage done), and save each checkpoint under a new name"
         )
+        evidence = {"previous_path": save.previous_path, "previous_step": save.previous_step}
+        found.append(_warning(save, PREVIOUS_DELETED, 1.0, None, message, evidence))
     return found
+
+
+def _warning(
+    save: SaveFacts, kind: str, value: float, threshold: float | None, message: str, evidence: dict[str, Any]
+) -> Finding:
+    """A warning about this save; its signal is named for the rule (``updates_before_staged``,
+    ``previous_deleted``)."""
+    signal = "updates_before_staged" if kind == UPDATED_BEFORE_STAGED else "previous_deleted"
+    return Finding(
+        step=save.step,
+        kind=kind,
+        severity=Severity.WARNING,
+        signal=signal,
+        value=value,
+        threshold=threshold,
+        message=message,
+        incarnation=save.incarnation,
+        evidence={"path": save.path, **evidence},
+    )
