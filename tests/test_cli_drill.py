@@ -95,3 +95,24 @@ def test_a_missing_store_is_refused_before_any_drill_runs(
     )  # fmt: skip
     assert code == 2 and "no store at" in err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_trainer_that_crashes_fails_the_drill_and_is_recorded(
+    store: Engine, store_url: URL, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loader that crashes is what a drill is for: a failed check with the run's output, exit 1."""
+    db = store_url.render_as_string(hide_password=False)
+    crash = "python -c 'import sys; print(\"loader: KeyError optimizer\"); sys.exit(3)'"
+    code, out, err = cli_result(
+        capsys, "drill", "continuity", "--command", crash, "--run", "r", "--db", db,
+        "--workdir", str(tmp_path / "w"), "--json",
+    )  # fmt: skip
+    assert code == 1, err
+    report = json.loads(out)
+    assert report["verdict"] == "fail"
+    [check] = report["drills"][0]["checks"]
+    assert check["name"] == "trainer_runs" and not check["passed"]
+    assert "exited 3" in check["detail"] and "loader: KeyError optimizer" in check["detail"]
+    with store.connect() as connection:
+        [recorded] = list_reports(connection, "r")
+    assert recorded["verdict"] == "fail" and recorded["checks"][0]["name"] == "trainer_runs"
