@@ -57,6 +57,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ReplicaConfig:
+    """Several ``runhealth serve`` over one PostgreSQL, one judging each run (``monitor.replicas``).
+
+    - ``poll_s`` 0.5: how often a run's judge reads the records other replicas stored for it;
+      half a second of the 2 s from a faulty record to its incident (issue 18's target), the
+      rest left to the window's readiness watermark.
+    - ``lease_s`` 1.0: how often a replica looks for runs nobody judges (their judge died) and
+      shares runs out; with PostgreSQL freeing a dead replica's leases at once, the run is judged
+      again within about this long (the 10 s target leaves room for a loaded machine).
+    - ``dead_peer_s`` 8.0: TCP keepalives on each lease session, so a replica whose host vanished
+      without closing its connection loses its leases within this long (inside the 10 s target).
+    - ``replica_id``: this replica's name in ``/healthz`` and in PostgreSQL's session list;
+      empty means ``<hostname>:<pid>``.
+    """
+
+    poll_s: float = 0.5
+    lease_s: float = 1.0
+    dead_peer_s: float = 8.0
+    replica_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0 or self.lease_s <= 0 or self.dead_peer_s < 2:
+            raise ConfigError("ReplicaConfig: poll_s and lease_s > 0, dead_peer_s >= 2")
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     db: str | None = None
     admin_token: str | None = None
@@ -68,5 +94,6 @@ class ServiceConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     # `runhealth drill`'s tolerances and budgets (not the service's: read by the CLI that runs it)
     drills: DrillConfig = field(default_factory=DrillConfig)

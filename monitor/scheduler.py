@@ -2,7 +2,8 @@
 
 Hang checks run on the service's own clock (a hung run sends no steps that could trigger
 them), as are hold timeouts (a held run sends no steps either), and device and link error
-rates are compared with peers over minutes, not samples.
+rates are compared with peers over minutes, not samples. A replica of several runs each pass
+over the runs it judges only (``Service.judged_runs``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def start_scheduler(service: Service, config: SchedulerConfig) -> BackgroundSche
     jobs = {
         "hang_check": (service.check_hangs, config.hang_check_s),
         "judge_waiting": (service.judge_waiting, config.hang_check_s),
-        "hold_timeouts": (service.decisions.expire_holds, config.hang_check_s),
+        "hold_timeouts": (service.expire_holds, config.hang_check_s),
         "peer_compare": (service.compare_peers, config.peer_compare_s),
-        "canary_schedule": (service.canaries.schedule_due, config.canary_s),
-        "canary_rounds": (service.canaries.judge_waiting, config.canary_s),
+        "canary_schedule": (service.schedule_canaries, config.canary_s),
+        "canary_rounds": (service.judge_canary_rounds, config.canary_s),
         "store_retention": (_retention(service), service.config.retention.check_s),
     }
     for name, (job, seconds) in jobs.items():

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from monitor.config import ServiceConfig
 from monitor.ingest.admission import IngestAdmission
 from monitor.ingest.batches import IngestResult, ingest_batch
+from monitor.judge.arrivals import Arrivals
 from monitor.judge.canaries import CanaryWatch
 from monitor.judge.engine import PolicyEngine
 from monitor.judge.fleet import FleetWatch
@@ -26,6 +27,8 @@ from monitor.observe.tracing import EVALUATE, INGEST, Tracing
 from monitor.recovery.decisions import Decisions
 from monitor.store import queries
 from monitor.store.durability import StoreFile, StoreUnavailable
+from monitor.store.leases import RunLeases
+from monitor.store.locks import lock_run_writes
 from monitor.store.tokens import digest_matches
 
 log = logging.getLogger("runhealth.service")
@@ -66,6 +69,11 @@ class Service:
         self.tracing = tracing if tracing is not None else Tracing.off()
         self.stages = StageSpans(self.tracing, engine)
         self.metric_sources = MetricSources()
+        # One of several replicas (``replicate``): it judges only the runs it holds leases on,
+        # reading what any replica stored for them; ``arrived`` wakes that reading early.
+        self.leases: RunLeases | None = None
+        self.arrivals = Arrivals()
+        self.arrived = threading.Event()
 
     def count(self, run: str, what: str, n: int = 1) -> None:
         with self._counter_lock:
@@ -94,6 +102,7 @@ class Service:
         self._check_store()
         try:
             with self._write_lock, self.engine.begin() as connection:
+                lock_run_writes(connection, run_id)  # another replica may be writing this run
                 result = ingest_batch(connection, run_id, records, self.clock())
                 late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
@@ -102,6 +111,9 @@ class Service:
         self.count(run, "accepted", result.accepted)
         self.count(run, "duplicates", result.duplicates)
         self.count(run, "late", len(late))
+        if self.leases is not None:  # the run's judge reads the batch from the store
+            self.arrived.set()
+            return result
         if any(record.kind == "run_start" for record in records):
             self.canaries.ensure_schedule(run_id)
         try:
@@ -134,12 +146,49 @@ class Service:
         # A checkpoint's manifest can land after the incident it could recover was decided.
         self.decisions.checkpoints_recorded(run_id, new_rows.get("checkpoint", []))
 
+    # --- replicas ------------------------------------------------------------------------
+
+    def replicate(self, leases: RunLeases) -> None:
+        """Judge only the runs ``leases`` holds (``monitor.replicas`` takes and keeps them)."""
+        self.leases = leases
+        self.policies.step_ceiling = self.arrivals.step_mark
+
+    def judged_runs(self) -> frozenset[int] | None:
+        """The runs this service judges: ``None`` for all (it is the only one)."""
+        return None if self.leases is None else self.leases.held()
+
+    def take_over(self, run_id: int) -> None:
+        """A lease just taken: judge the run from what the store holds now."""
+        self.forget(run_id)  # state from an earlier lease is stale
+        with self.engine.connect() as connection:
+            self.arrivals.begin(connection, run_id)
+
+    def forget(self, run_id: int) -> None:
+        """Drop what this service keeps of a run in memory (another replica judges it)."""
+        self.arrivals.forget(run_id)
+        self.policies.forget(run_id)
+        self.fleet.forget(run_id)
+        self.hangs.forget(run_id)
+
+    def judge_arrivals(self, run_id: int) -> None:
+        """Judge what any replica stored for a run this one holds, since the last look."""
+        with self.engine.connect() as connection:
+            arrived = self.arrivals.read(connection, run_id)
+        if arrived.started:
+            self.canaries.ensure_schedule(run_id)
+        with self.tracing.span(EVALUATE, {"runhealth.run_id": run_id}), self.stages.following():
+            self.judge(run_id, arrived.new_rows, arrived.late)
+            if arrived.started or arrived.finished:
+                self.decisions.consider(run_id, self.policies.judge_restarts(run_id))
+
+    # --- the scheduler's passes, over the runs this service judges ------------------------
+
     def judge_waiting(self) -> list[int]:
         """The scheduler's pass over windows that nothing newer will release (a paused or
         finished run), with the decisions they call for."""
         touched: list[int] = []
         with self.stages.following():
-            for run_id in self.policies.waiting_runs():
+            for run_id in self.policies.waiting_runs(self.judged_runs()):
                 judged = self.policies.judge(run_id, now=self.clock())
                 self.decisions.consider(run_id, judged)
                 touched += judged
@@ -148,7 +197,16 @@ class Service:
     def check_hangs(self) -> list[int]:
         """The scheduler's hang check, with spans for the incidents and directives it records."""
         with self.stages.following():
-            return self.hangs.check()
+            return self.hangs.check(self.judged_runs())
+
+    def expire_holds(self) -> list[int]:
+        return self.decisions.expire_holds(self.judged_runs())
+
+    def schedule_canaries(self) -> list[int]:
+        return self.canaries.schedule_due(self.judged_runs())
+
+    def judge_canary_rounds(self) -> list[int]:
+        return self.canaries.judge_waiting(self.judged_runs())
 
     def compare_peers(self) -> list[int]:
         """The scheduler's device and link peer comparison, likewise traced."""
@@ -159,7 +217,10 @@ class Service:
         self._check_store()
         with self.engine.connect() as connection:
             connection.execute(sa.text("SELECT 1"))
-        return {"status": "ok"}
+            if self.leases is None:
+                return {"status": "ok"}
+            runs = queries.run_names(connection, self.leases.held())
+        return {"status": "ok", "replica": self.leases.replica, "judging": sorted(runs)}
 
     def _check_store(self) -> None:
         if self.store_file is not None:

@@ -14,7 +14,7 @@ def test_jobs_run_on_their_period_and_a_failing_job_keeps_its_schedule(
     ran = threading.Event()
     calls = []
 
-    def failing_check() -> list[int]:
+    def failing_check(among: object = None) -> list[int]:
         calls.append(1)
         if len(calls) >= 2:
             ran.set()

@@ -86,6 +86,13 @@ class ErrorOut(BaseModel):
 
 class HealthOut(BaseModel):
     status: Literal["ok"]
+    replica: str | None = Field(
+        default=None, description="This replica's name, when it is one of several over PostgreSQL."
+    )
+    judging: list[str] | None = Field(
+        default=None,
+        description="The runs this replica judges (holds the lease of); absent for the only service.",
+    )
 
 
 class HealthErrorOut(BaseModel):

@@ -7,6 +7,7 @@ import typer
 from monitor.cli.options import DbOption, JsonOption, open_engine, reading
 from monitor.cli.render import UserError, fmt_time, out, print_json, table
 from monitor.store import queries
+from monitor.store.leases import judges_by_name
 from policies.protocol import RUN_NAME, value_problem
 
 
@@ -16,13 +17,19 @@ def runs(ctx: typer.Context, db: DbOption = None, as_json: JsonOption = False) -
         return
     with reading(db) as connection:
         rows = queries.list_runs(connection)
+        # On PostgreSQL, several replicas may serve: which one judges each run (its lease).
+        replicated = connection.dialect.name == "postgresql"
+        judges = judges_by_name(connection) if replicated else {}
+    if replicated:
+        rows = [{**r, "judged_by": judges.get(r["name"])} for r in rows]
     if as_json:
         print_json({"runs": rows})
         return
+    columns = ["run", "created", "latest step", "windows", "last record", "open incidents"]
     out.print(
         table(
             "Runs",
-            ["run", "created", "latest step", "windows", "last record", "open incidents"],
+            [*columns, "judged by"] if replicated else columns,
             [
                 [
                     r["name"],
@@ -31,6 +38,7 @@ def runs(ctx: typer.Context, db: DbOption = None, as_json: JsonOption = False) -
                     r["windows"],
                     fmt_time(r["last_record_at"]),
                     r["open_incidents"],
+                    *([r["judged_by"] or "-"] if replicated else []),
                 ]
                 for r in rows
             ],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -127,14 +127,14 @@ class CanaryWatch:
                 RESULT.update().where(RESULT.c.id == rerun.id).values(judged=True, verdict="rerun_result")
             )
 
-    def judge_waiting(self) -> list[int]:
-        """Rounds of every run that waited long enough for missing ranks."""
+    def judge_waiting(self, among: Collection[int] | None = None) -> list[int]:
+        """Rounds of every run (of ``among``, when given) that waited long enough for missing
+        ranks."""
+        query = sa.select(RESULT.c.run_id).where(RESULT.c.judged.is_(False)).distinct()
+        if among is not None:
+            query = query.where(RESULT.c.run_id.in_(sorted(among)))
         with self._engine.connect() as connection:
-            runs = (
-                connection.execute(sa.select(RESULT.c.run_id).where(RESULT.c.judged.is_(False)).distinct())
-                .scalars()
-                .all()
-            )
+            runs = connection.execute(query).scalars().all()
         return [incident for run_id in runs for incident in self.judge(run_id)]
 
     def _world(self, connection: Connection, run_id: int, incarnation: str) -> int:
@@ -308,14 +308,16 @@ class CanaryWatch:
             values["budget_fraction"] = budget_fraction
         connection.execute(SCHEDULE.update().where(SCHEDULE.c.run_id == run_id).values(**values))
 
-    def schedule_due(self) -> list[int]:
-        """Issue a canary directive to every run whose schedule is due; returns directive ids."""
+    def schedule_due(self, among: Collection[int] | None = None) -> list[int]:
+        """Issue a canary directive to every run (of ``among``, when given) whose schedule is
+        due; returns directive ids."""
         now = self._clock()
         issued = []
+        query = sa.select(SCHEDULE).where(SCHEDULE.c.enabled.is_(True))
+        if among is not None:
+            query = query.where(SCHEDULE.c.run_id.in_(sorted(among)))
         with self._lock, self._engine.begin() as connection:
-            for schedule in connection.execute(
-                sa.select(SCHEDULE).where(SCHEDULE.c.enabled.is_(True))
-            ).mappings():
+            for schedule in connection.execute(query).mappings():
                 interval = self.interval_s(connection, schedule)
                 if schedule["last_issued_at"] is not None and now - schedule["last_issued_at"] < interval:
                     continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,10 @@ from policies.types import Finding
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
+
+
+class _JudgedElsewhere(Exception):
+    """Windows about to be judged were judged by another replica meanwhile."""
 
 
 @dataclass
@@ -84,6 +88,9 @@ class PolicyEngine:
         # Set by the service: adds a device's and its node's evidence to a finding about a slow
         # device (from the policies whose ``device_evidence`` says so).
         self.add_device_evidence: Callable[[int, Finding], Finding] = lambda _run, finding: finding
+        # Set by a replica's service: the newest step record of the run its judging has read
+        # (``monitor.judge.arrivals``); a window's records past it are judged late, when read.
+        self.step_ceiling: Callable[[int], int | None] = lambda _run: None
 
     @property
     def config(self) -> EngineConfig:
@@ -128,13 +135,15 @@ class PolicyEngine:
             # the store's write lock for long, or ingest waits behind it.
             for start in range(0, len(ready), self._config.judge_chunk):
                 chunk = ready[start : start + self._config.judge_chunk]
-                with self._engine.begin() as connection:
-                    for summary in chunk:
-                        findings = self._judge_window(connection, run_id, state, summary)
-                        touched += self.incidents.record(connection, run_id, findings, summary["step"])
-                    connection.execute(
-                        SUMMARY.update().where(SUMMARY.c.id.in_([s["id"] for s in chunk])).values(judged=True)
-                    )
+                try:
+                    with self._engine.begin() as connection:
+                        self._claim(connection, chunk)
+                        for summary in chunk:
+                            findings = self._judge_window(connection, run_id, state, summary)
+                            touched += self.incidents.record(connection, run_id, findings, summary["step"])
+                except _JudgedElsewhere:
+                    self._states.pop(run_id, None)  # its state went past windows it did not judge
+                    return sorted(set(touched))
             touched += self._judge_batches(run_id, state, {s["incarnation"] for s in ready})
         return sorted(set(touched))
 
@@ -150,6 +159,18 @@ class PolicyEngine:
                 detected = min((f.step for f in findings), default=state.last_step)
                 touched += self.incidents.record(connection, run_id, findings, detected)
         return touched
+
+    def _claim(self, connection: Connection, chunk: list[dict[str, Any]]) -> None:
+        """Mark the windows judged before judging them, in the same transaction: a second judge
+        of the run (two replicas whose leases overlapped for a moment) waits here for the first
+        to commit, then finds them judged and rolls back instead of opening its incidents again."""
+        claimed = connection.execute(
+            SUMMARY.update()
+            .where(SUMMARY.c.id.in_([s["id"] for s in chunk]), SUMMARY.c.judged.is_(False))
+            .values(judged=True)
+        ).rowcount
+        if claimed != len(chunk):
+            raise _JudgedElsewhere
 
     def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
         """Records whose window was judged before they arrived (replayed from a spool): judged
@@ -264,16 +285,18 @@ class PolicyEngine:
         query = sa.select(*[STEP.c[name] for name in RANK_FIELDS]).where(
             STEP.c.run_id == run_id, STEP.c.incarnation == incarnation, STEP.c.attempt == attempt
         )
+        ceiling = self.step_ceiling(run_id)
+        if ceiling is not None:
+            query = query.where(STEP.c.id <= ceiling)
         return [dict(row) for row in connection.execute(query).mappings()]
 
-    def waiting_runs(self) -> list[int]:
-        """Runs with windows not judged yet."""
+    def waiting_runs(self, among: Collection[int] | None = None) -> list[int]:
+        """Runs with windows not judged yet (of ``among``, when given)."""
+        query = sa.select(SUMMARY.c.run_id).where(SUMMARY.c.judged.is_(False)).distinct()
+        if among is not None:
+            query = query.where(SUMMARY.c.run_id.in_(sorted(among)))
         with self._engine.connect() as connection:
-            return list(
-                connection.execute(
-                    sa.select(SUMMARY.c.run_id).where(SUMMARY.c.judged.is_(False)).distinct()
-                ).scalars()
-            )
+            return list(connection.execute(query).scalars())
 
     def _ready(
         self, connection: Connection, run_id: int, state: _RunState, now: float | None = None

@@ -165,6 +165,19 @@ class FleetWatch:
             self._held_links.setdefault(key, reading)
         return found
 
+    def forget(self, run_id: int) -> None:
+        """Drop the run's readings: another replica judges it now (and reads its own)."""
+        with self._lock:
+            for table in (
+                self._devices,
+                self._held_devices,
+                self._fractions,
+                self._links,
+                self._held_links,
+                self._link_errors,
+            ):
+                _drop_run(table, run_id)
+
     def compare_peers(self) -> list[int]:
         """Error rates of every device and port against its run's peers since the last call."""
         touched: list[int] = []
@@ -221,3 +234,8 @@ class FleetWatch:
                 evidence["link_errors_per_s"] = errors
                 evidence["peer_link_errors_per_s"] = float(np.median(peers_errors)) if peers_errors else None
         return replace(finding, evidence=evidence)
+
+
+def _drop_run(table: dict[Any, Any], run_id: int) -> None:
+    for key in [key for key in table if key[0] == run_id]:
+        del table[key]

@@ -9,7 +9,7 @@ closes when every rank moves again.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -52,14 +52,23 @@ class HangWatch:
         self._reported: dict[tuple[int, str], tuple[frozenset[int], frozenset[int]]] = {}
         self._longest: dict[int, Longest] = {}
 
-    def check(self) -> list[int]:
-        """One pass over every live incarnation; returns the hang incidents touched."""
+    def check(self, among: Collection[int] | None = None) -> list[int]:
+        """One pass over every live incarnation (of the runs ``among``, when given); returns
+        the hang incidents touched."""
         now = self._clock()
         touched: list[int] = []
         with self._lock, self._engine.begin() as connection:
             for run_id, incarnation in self._live(connection, now):
-                touched += self._check(connection, run_id, incarnation, now)
+                if among is None or run_id in among:
+                    touched += self._check(connection, run_id, incarnation, now)
         return touched
+
+    def forget(self, run_id: int) -> None:
+        """Drop what this watch remembers of a run another replica judges now."""
+        with self._lock:
+            self._longest.pop(run_id, None)
+            for key in [key for key in self._reported if key[0] == run_id]:
+                del self._reported[key]
 
     def _live(self, connection: Connection, now: float) -> list[tuple[int, str]]:
         """Each run's newest incarnation that has heartbeats and has not finished."""

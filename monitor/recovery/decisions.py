@@ -9,7 +9,7 @@ an audit entry with who, when, why and the evidence. The decision logic itself i
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -629,10 +629,11 @@ class Decisions:
         ).scalar()
         return None if consumed is None else int(consumed)
 
-    def expire_holds(self) -> list[int]:
-        """Holds whose timeout passed with their proposal undecided: released (the scheduler)."""
+    def expire_holds(self, among: Collection[int] | None = None) -> list[int]:
+        """Holds whose timeout passed with their proposal undecided: released (the scheduler);
+        only those of the runs ``among``, when given."""
         with self._lock, self._engine.begin() as connection:
-            return responses.expire_holds(connection, self._clock())
+            return responses.expire_holds(connection, self._clock(), among)
 
     # --- executing -------------------------------------------------------------------------
 

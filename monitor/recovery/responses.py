@@ -17,6 +17,7 @@ every window of the incident was skipped on every rank no rollback is proposed f
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import sqlalchemy as sa
@@ -110,11 +111,13 @@ def release_on_decision(
     return [hold["id"] for hold in holds]
 
 
-def expire_holds(connection: Connection, now: float) -> list[int]:
-    """Holds whose timeout passed on the service's clock: released (returns their ids)."""
+def expire_holds(connection: Connection, now: float, among: Collection[int] | None = None) -> list[int]:
+    """Holds whose timeout passed on the service's clock (of the runs ``among``, when given):
+    released (returns their ids)."""
+    runs = sa.true() if among is None else DIRECTIVE.c.run_id.in_(sorted(among))
     expired = [
         hold
-        for hold in _live_holds(connection, sa.true())
+        for hold in _live_holds(connection, runs)
         if now - hold["created_at"] >= float(hold["payload"].get("timeout_s") or 0.0)
     ]
     for hold in expired:

@@ -35,6 +35,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("canaries",): ("canaries",),
     ("scheduler",): ("scheduler",),
     ("retention",): ("retention",),
+    ("replicas",): ("replicas",),
     ("policies", "spike"): ("engine", "series", "loss_spike"),
     ("policies", "grad_norm_spike"): ("engine", "series", "grad_norm_spike"),
     ("policies", "numerics"): ("engine", "series", "numerics"),

@@ -3,7 +3,9 @@
 Each entry's hash covers its own fields and the previous entry's hash, over a canonical
 serialization (sorted keys, no whitespace, nonfinite numbers by name). Appends are
 serialized by the store itself: ``prev_hash`` is unique, so two writers that read the same
-tail cannot both extend it; the loser re-reads the tail and appends after the winner.
+tail cannot both extend it; the loser re-reads the tail and appends after the winner. On
+PostgreSQL, where several service replicas append, a transaction-scoped advisory lock makes them
+take turns before reading the tail (``monitor.store.locks``), so none loses.
 
 A hash chain alone is no proof against whoever can write to the store: they can edit an entry
 and recompute every hash after it. So each entry also carries an HMAC of its hash under a key
@@ -34,6 +36,7 @@ from sqlalchemy.engine import Connection, Engine
 from monitor.store import models
 from monitor.store.anchor import APPENDED, Anchoring, Head, anchor_path
 from monitor.store.audit_keys import AuditKeyError, Key, Keyring, KeySource, key_source
+from monitor.store.locks import lock_audit_appends
 from policies.protocol import to_wire
 
 AUDIT = models.table_of(models.AuditEntry)
@@ -129,6 +132,9 @@ def append(
     source: KeySource | None = connection.get_execution_options().get(KEYS_OPTION)
     key: Key | None = None
     lost_to = -1
+    # On PostgreSQL, replicas append one at a time (the lock lasts to the commit); the unique
+    # prev_hash below still refuses a second writer that skipped it (an older service).
+    lock_audit_appends(connection)
     for _ in range(APPEND_ATTEMPTS):
         tail = _tail(connection)
         seq = (tail.seq if tail else 0) + 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,21 @@ def run_row(connection: Connection, name: str) -> Any:
     if row is None:
         raise NotFound(f"no run named {name!r}")
     return row
+
+
+def run_ids(connection: Connection) -> list[int]:
+    """Every run's id, oldest first."""
+    return [int(run_id) for run_id in connection.execute(sa.select(RUN.c.id).order_by(RUN.c.id)).scalars()]
+
+
+def run_names(connection: Connection, ids: Iterable[int]) -> list[str]:
+    """The names of the runs ``ids``, by id."""
+    wanted = sorted(ids)
+    if not wanted:
+        return []
+    return list(
+        connection.execute(sa.select(RUN.c.name).where(RUN.c.id.in_(wanted)).order_by(RUN.c.id)).scalars()
+    )
 
 
 def newest_world_size(connection: Connection, run_id: int) -> int | None:

@@ -1,0 +1,138 @@
+"""What a run's judge has not looked at yet, whichever replica stored it.
+
+With several replicas over one PostgreSQL, the replica that judges a run (``monitor.store.leases``)
+did not receive most of its records: it reads each kind's rows newer than the newest it has seen,
+by id. That is exact because one run's records are written one transaction at a time
+(``monitor.store.locks.lock_run_writes``), so their ids are committed in order and none can
+appear later below a mark already passed. The judge reads a window's step records only up to its
+mark (``PolicyEngine.step_ceiling``), so a record stored while a window was being judged is
+judged late, once, not twice and not never.
+
+A judge that takes a run over starts at the newest rows then stored: windows not judged yet are
+judged from the store; what the previous judge had read but not yet acted on (a directive
+acknowledgement, a resume, a canary result in its last second) is not acted on again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from monitor.store import models
+
+STEP = models.table_of(models.StepRecord)
+SUMMARY = models.table_of(models.StepSummary)
+INCARNATION = models.table_of(models.Incarnation)
+# The kinds of record whose new rows the service's judging takes (``Service.judge``).
+TABLES: Mapping[str, sa.Table] = {
+    "step": STEP,
+    "device_sample": models.table_of(models.DeviceSample),
+    "link_sample": models.table_of(models.LinkSample),
+    "checkpoint": models.table_of(models.CheckpointEvent),
+    "resume": models.table_of(models.ResumeEvent),
+    "canary_result": models.table_of(models.CanaryResult),
+    "directive_ack": models.table_of(models.DirectiveAck),
+}
+
+
+@dataclass
+class Arrived:
+    new_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    late: list[dict[str, Any]] = field(default_factory=list)
+    """Step records whose window was judged before they were stored."""
+    started: bool = False
+    """An incarnation's run-start record arrived."""
+    finished: bool = False
+    """An incarnation's run-finish record arrived."""
+
+
+@dataclass
+class _Marks:
+    newest: dict[str, int]
+    started: set[int]
+    finished: set[int]
+
+
+class Arrivals:
+    """Per run this replica judges, how far it has read each kind of record."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, _Marks] = {}
+
+    def step_mark(self, run_id: int) -> int | None:
+        marks = self._marks.get(run_id)
+        return None if marks is None else marks.newest["step"]
+
+    def begin(self, connection: Connection, run_id: int) -> None:
+        """Start reading the run at the newest rows stored now (a lease just taken)."""
+        newest = {
+            kind: int(
+                connection.execute(
+                    sa.select(sa.func.coalesce(sa.func.max(table.c.id), 0)).where(table.c.run_id == run_id)
+                ).scalar_one()
+            )
+            for kind, table in TABLES.items()
+        }
+        started, finished = _incarnations(connection, run_id)
+        self._marks[run_id] = _Marks(newest, started, finished)
+
+    def forget(self, run_id: int) -> None:
+        self._marks.pop(run_id, None)
+
+    def read(self, connection: Connection, run_id: int) -> Arrived:
+        """The rows stored since the last read (``begin`` first), and which step records of
+        them are late."""
+        marks = self._marks[run_id]
+        arrived = Arrived()
+        for kind, table in TABLES.items():
+            rows = [
+                dict(row)
+                for row in connection.execute(
+                    sa.select(table)
+                    .where(table.c.run_id == run_id, table.c.id > marks.newest[kind])
+                    .order_by(table.c.id)
+                ).mappings()
+            ]
+            if rows:
+                marks.newest[kind] = rows[-1]["id"]
+                arrived.new_rows[kind] = rows
+        arrived.late = _late(connection, run_id, arrived.new_rows.get("step", []))
+        started, finished = _incarnations(connection, run_id)
+        arrived.started = bool(started - marks.started)
+        arrived.finished = bool(finished - marks.finished)
+        marks.started, marks.finished = started, finished
+        return arrived
+
+
+def _late(connection: Connection, run_id: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = sorted({(row["incarnation"], row["attempt"]) for row in rows})
+    judged: set[tuple[str, int]] = set()
+    for start in range(0, len(keys), 500):
+        chunk = keys[start : start + 500]
+        judged.update(
+            (incarnation, attempt)
+            for incarnation, attempt in connection.execute(
+                sa.select(SUMMARY.c.incarnation, SUMMARY.c.attempt).where(
+                    SUMMARY.c.run_id == run_id,
+                    SUMMARY.c.judged.is_(True),
+                    sa.tuple_(SUMMARY.c.incarnation, SUMMARY.c.attempt).in_(chunk),
+                )
+            )
+        )
+    return [row for row in rows if (row["incarnation"], row["attempt"]) in judged]
+
+
+def _incarnations(connection: Connection, run_id: int) -> tuple[set[int], set[int]]:
+    """The run's incarnations whose start, and whose finish, the store holds."""
+    rows = connection.execute(
+        sa.select(INCARNATION.c.id, INCARNATION.c.content_hash, INCARNATION.c.finished_at).where(
+            INCARNATION.c.run_id == run_id
+        )
+    ).all()
+    started = {row.id for row in rows if row.content_hash}
+    finished = {row.id for row in rows if row.finished_at is not None}
+    return started, finished
