@@ -23,12 +23,19 @@ class IngestConfig:
 
     32 MiB and 50,000 records: a 16,384-rank run's step records for one step fit in one
     batch (about 600 bytes each), while one client cannot make the service buffer gigabytes.
+
+    ``copy_on_postgresql``: on PostgreSQL (psycopg2), write step records, device and link
+    samples and heartbeats with ``COPY`` through a staging table instead of a multi-row
+    ``INSERT``: the same answers at a fraction of the service's CPU per record
+    (``benchmarks/ingest.py --postgres`` measures both paths side by side). Off only to
+    compare the two, or behind a proxy that cannot pass ``COPY``.
     """
 
     max_batch_bytes: int = 32 * 1024 * 1024
     max_batch_records: int = 50_000
     # When batches are refused with 429 (load shedding): ``monitor.ingest.admission``.
     shedding: SheddingConfig = field(default_factory=SheddingConfig)
+    copy_on_postgresql: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_bytes < 1024 or self.max_batch_records < 1:

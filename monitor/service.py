@@ -103,7 +103,9 @@ class Service:
         try:
             with self._write_lock, self.engine.begin() as connection:
                 lock_run_writes(connection, run_id)  # another replica may be writing this run
-                result = ingest_batch(connection, run_id, records, self.clock())
+                result = ingest_batch(
+                    connection, run_id, records, self.clock(), copy=self.config.ingest.copy_on_postgresql
+                )
                 late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
             raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc

@@ -2,6 +2,9 @@
 
 A record re-sent with the same key and content is stored once; the same key with other
 content raises ``ConflictError`` and the caller's transaction rolls the whole batch back.
+On PostgreSQL the high-volume kinds (step records, device and link samples, heartbeats) go
+in by ``COPY`` (``monitor.ingest.postgres_copy``); which rows were new, re-sent or in
+conflict is decided here for both paths, so both give the same answers.
 Checkpoints are the exception: their key is their content's identity (path, step, manifest
 digest), so the same checkpoint reported again, at another time or with other tags, is a
 duplicate, and the same path saved with other content is a new row (a newer version).
@@ -22,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from monitor.ingest import postgres_copy
 from monitor.recovery import directives
 from monitor.store import models
 from policies import protocol
@@ -62,6 +66,8 @@ class TableSpec:
     rest of the content (checkpoints: the same content at the same path and step)."""
     derive: Callable[[int, dict[str, Any]], None] | None = None
     """Fills in (or checks) key fields the service derives from the record, before hashing."""
+    copied: bool = False
+    """Written by ``COPY`` on PostgreSQL: a kind that arrives by the thousand a second."""
 
 
 def _checkpoint_identity(index: int, row: dict[str, Any]) -> None:
@@ -78,9 +84,9 @@ def _checkpoint_identity(index: int, row: dict[str, Any]) -> None:
 
 # Keys are the protocol's (``policies.protocol.kinds``); a table holds them with its run.
 KEYED_TABLES: dict[str, TableSpec] = {
-    "step": TableSpec(models.table_of(models.StepRecord), protocol.STEP.key, has_dicts=False),
-    "device_sample": TableSpec(models.table_of(models.DeviceSample), protocol.DEVICE_SAMPLE.key),
-    "link_sample": TableSpec(models.table_of(models.LinkSample), protocol.LINK_SAMPLE.key),
+    "step": TableSpec(models.table_of(models.StepRecord), protocol.STEP.key, has_dicts=False, copied=True),
+    "device_sample": TableSpec(models.table_of(models.DeviceSample), protocol.DEVICE_SAMPLE.key, copied=True),
+    "link_sample": TableSpec(models.table_of(models.LinkSample), protocol.LINK_SAMPLE.key, copied=True),
     "checkpoint": TableSpec(
         models.table_of(models.CheckpointEvent),
         protocol.CHECKPOINT.key,
@@ -132,9 +138,13 @@ def dialect_insert(connection: Connection, table: sa.Table) -> Any:
     return sqlite.insert(table)
 
 
-def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], now: float) -> IngestResult:
-    """Store one batch inside the caller's transaction; raise ``ConflictError`` on conflict."""
+def ingest_batch(
+    connection: Connection, run_id: int, records: Sequence[Any], now: float, *, copy: bool = True
+) -> IngestResult:
+    """Store one batch inside the caller's transaction; raise ``ConflictError`` on conflict.
+    ``copy``: use ``COPY`` where the store can (PostgreSQL through psycopg2)."""
     result = IngestResult()
+    copy = copy and postgres_copy.available(connection)
     by_kind: dict[str, list[tuple[int, Any]]] = defaultdict(list)
     for index, record in enumerate(records):
         by_kind[record.kind].append((index, record))
@@ -143,13 +153,13 @@ def ingest_batch(connection: Connection, run_id: int, records: Sequence[Any], no
     _check_ranks(connection, run_id, records)
     for kind, indexed in by_kind.items():
         if kind in KEYED_TABLES:
-            stored = _ingest_keyed(connection, run_id, kind, indexed, now, result)
+            stored = _ingest_keyed(connection, run_id, kind, indexed, now, result, copy)
         elif kind == "run_start":
             stored = _ingest_run_starts(connection, run_id, indexed, result)
         elif kind == "run_finish":
             stored = _ingest_run_finishes(connection, run_id, indexed, result)
         elif kind == "heartbeat":
-            stored = _ingest_heartbeats(connection, run_id, [r for _, r in indexed], now)
+            stored = _ingest_heartbeats(connection, run_id, [r for _, r in indexed], now, copy)
         else:  # the schema's discriminator makes this unreachable
             raise ValueError(f"unknown record kind {kind!r}")
         result.by_kind[kind] = stored
@@ -204,6 +214,7 @@ def _ingest_keyed(
     indexed: list[tuple[int, Any]],
     now: float,
     result: IngestResult,
+    copy: bool,
 ) -> int:
     spec = KEYED_TABLES[kind]
     fresh: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
@@ -221,18 +232,39 @@ def _ingest_keyed(
         row.update(run_id=run_id, received_at=now, content_hash=digest)
         fresh[key] = (index, row)
     rows = [row for _, row in fresh.values()]
-    inserted = _insert_new(connection, spec, rows)
-    if len(inserted) < len(rows):
-        # Only keys already stored come here: a re-send (counted) or a conflict (refused).
-        stored = dict(_stored_hashes(connection, spec, run_id, fresh.keys() - inserted))
-        for key, stored_hash in stored.items():
-            index, row = fresh[key]
+    if copy and spec.copied:
+        not_inserted = postgres_copy.insert_new(connection, spec.table, rows)
+    else:
+        not_inserted = _insert_new_rows(connection, spec, run_id, rows)
+    if not_inserted:
+        # Only keys already stored come here: a re-send (counted) or a conflict (refused,
+        # the batch's first one named, whichever order the store answered in).
+        indexes = [index for index, _ in fresh.values()]
+        for position in sorted(not_inserted):
+            stored_hash = not_inserted[position]
+            row = rows[position]
+            if stored_hash is None:
+                continue  # deleted since the insert skipped it (retention): neither
             if stored_hash != row["content_hash"] and not spec.key_is_identity:
-                raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
+                raise ConflictError(indexes[position], kind, {name: row[name] for name in spec.key})
             result.duplicates += 1
-        rows = [row for key, (_, row) in fresh.items() if key in inserted]
+        rows = [row for position, row in enumerate(rows) if position not in not_inserted]
     result.new_rows.setdefault(kind, []).extend(rows)
     return len(rows)
+
+
+def _insert_new_rows(
+    connection: Connection, spec: TableSpec, run_id: int, rows: list[dict[str, Any]]
+) -> dict[int, str | None]:
+    """The Core path: insert the rows whose key is not stored; for each row that was not
+    inserted (by position), the content hash stored under its key."""
+    inserted = _insert_new(connection, spec, rows)
+    if len(inserted) == len(rows):
+        return {}
+    keys = [tuple(row[name] for name in spec.key) for row in rows]
+    missing = {position: key for position, key in enumerate(keys) if key not in inserted}
+    stored = dict(_stored_hashes(connection, spec, run_id, missing.values()))
+    return {position: stored.get(key) for position, key in missing.items()}
 
 
 def _row_of(record: Any, spec: TableSpec) -> dict[str, Any]:
@@ -388,7 +420,12 @@ def _ingest_run_finishes(
     return stored
 
 
-def _ingest_heartbeats(connection: Connection, run_id: int, records: list[Any], now: float) -> int:
+HEARTBEAT_UPDATES = ("node", "step", "attempt", "phase", "phase_since", "time", "received_at")
+
+
+def _ingest_heartbeats(
+    connection: Connection, run_id: int, records: list[Any], now: float, copy: bool
+) -> int:
     """Keep each rank's newest heartbeat; an older one arriving late changes nothing."""
     latest: dict[tuple[str, int], Any] = {}
     for record in records:
@@ -398,20 +435,18 @@ def _ingest_heartbeats(connection: Connection, run_id: int, records: list[Any], 
     if not latest:
         return 0
     table = models.table_of(models.Heartbeat)
+    rows = [
+        {**record.model_dump(exclude={"kind"}), "run_id": run_id, "received_at": now}
+        for record in latest.values()
+    ]
+    if copy:
+        postgres_copy.upsert_newer(connection, table, rows, HEARTBEAT_UPDATES, "time")
+        return len(records)
     insert = dialect_insert(connection, table)
     statement = insert.on_conflict_do_update(
         index_elements=["run_id", "incarnation", "rank"],
-        set_={
-            name: insert.excluded[name]
-            for name in ("node", "step", "attempt", "phase", "phase_since", "time", "received_at")
-        },
+        set_={name: insert.excluded[name] for name in HEARTBEAT_UPDATES},
         where=table.c.time < insert.excluded.time,
     )
-    connection.execute(
-        statement,
-        [
-            {**record.model_dump(exclude={"kind"}), "run_id": run_id, "received_at": now}
-            for record in latest.values()
-        ],
-    )
+    connection.execute(statement, rows)
     return len(records)
