@@ -20,7 +20,7 @@ def demo(
     """Four ranks train a small model on the CPU; a bad batch and a failing device are caught,
     diagnosed, approved from the CLI and recovered from."""
     # imported when run: the demo is a composition root that starts trainers (collectors code)
-    from monitor.demo import DemoConfig, DemoError, run_demo
+    from monitor.demo.run import DemoConfig, DemoError, run_demo
 
     try:
         config = DemoConfig(db=db, corrupt_step=corrupt_step, faulty_from=corrupt_step)
