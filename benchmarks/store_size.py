@@ -13,7 +13,9 @@ scale and the four phase timings, with values that vary from record to record.
 
 It prints one JSON document: bytes per record and per 1,000,000 records of ``step_records``
 (table, indexes and TOAST, summed over its partitions) and of the per-window summaries that
-outlive retention, and how long the writes took.
+outlive retention, and how long the writes took. ``--retention`` then times one retention pass
+that finds every record past the period (PostgreSQL drops their day partitions, SQLite deletes
+their rows ``batch_rows`` at a time).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from monitor.ingest.schemas import BatchIn  # noqa: E402
 from monitor.judge.summaries import fold_new_steps  # noqa: E402
 from monitor.store import migrate  # noqa: E402
 from monitor.store.db import create_store_engine  # noqa: E402
-from monitor.store.retention import RetentionConfig  # noqa: E402
+from monitor.store.retention import RetentionConfig, maintain  # noqa: E402
 from monitor.store.usage import usage  # noqa: E402
 
 
@@ -114,6 +116,7 @@ def measure(db: str, args: argparse.Namespace) -> dict[str, Any]:
             connection.exec_driver_sql("VACUUM ANALYZE" if engine.dialect.name == "postgresql" else "VACUUM")
         with engine.connect() as connection:
             found = usage(connection, RetentionConfig())
+        passed = retention_pass(engine) if args.retention else None
     finally:
         engine.dispose()
     tables = {t.table: t for t in found.tables}
@@ -134,6 +137,19 @@ def measure(db: str, args: argparse.Namespace) -> dict[str, Any]:
         "summaries": summaries.rows,
         "summary_bytes_per_1m_records": summaries.bytes * 1_000_000 // stored,
         "ingest_seconds": round(seconds, 1),
+        **({"retention_pass": passed} if passed is not None else {}),
+    }
+
+
+def retention_pass(engine: Engine) -> dict[str, Any]:
+    """One retention pass 30 days on, when every record written is past the period: on
+    PostgreSQL day partitions dropped, on SQLite rows deleted in batches."""
+    start = time.perf_counter()
+    done = maintain(engine, RetentionConfig(), time.time() + 30 * 86400)
+    return {
+        "seconds": round(time.perf_counter() - start, 2),
+        "partitions_dropped": len(done.dropped),
+        "rows_deleted": done.deleted,
     }
 
 
@@ -145,6 +161,9 @@ def main() -> None:
     parser.add_argument("--postgres", action="store_true", help="start a throwaway PostgreSQL")
     parser.add_argument("--db", help="an empty database to fill (PostgreSQL or SQLite URL)")
     parser.add_argument("--sqlite", action="store_true", help="measure an SQLite file too")
+    parser.add_argument(
+        "--retention", action="store_true", help="then time one retention pass that removes every record"
+    )
     args = parser.parse_args()
     if not (args.postgres or args.db or args.sqlite):
         parser.error("say where: --postgres, --db URL or --sqlite")
