@@ -9,9 +9,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from monitor.judge.incidents import INCIDENT, IncidentRecorder
 from monitor.store import audit
 from monitor.store.locks import lock_run_writes
-from tests.support import both_backends
+from policies.incidents import GroupingConfig
+from policies.types import Finding, Severity
+from tests.support import both_backends, make_run
 
 
 @pytest.fixture
@@ -68,3 +71,31 @@ def test_concurrent_appends_from_many_connections_make_one_chain(store: Engine) 
         seqs = list(connection.execute(sa.select(audit.AUDIT.c.seq).order_by(audit.AUDIT.c.seq)).scalars())
     assert checked.ok and checked.entries == writers * each, checked
     assert seqs == list(range(1, writers * each + 1))
+
+
+def test_a_finding_recorded_while_another_replica_records_one_joins_its_incident(store: Engine) -> None:
+    """Two judges of one run for a moment: the second waits for the first's incident and joins
+    it (without the lock it read no open incident and opened a second)."""
+    run = make_run(store, "two-judges")
+    recorder = IncidentRecorder(GroupingConfig(), lambda: 1.0)
+    finding = Finding(
+        step=5, kind="nonfinite", severity=Severity.CRITICAL, signal="loss", value=float("nan"),
+        threshold=None, message="loss is nan at step 5", incarnation="inc", rank=0,
+    )  # fmt: skip
+    done = threading.Event()
+
+    def second_judge() -> None:
+        with store.begin() as connection:
+            recorder.record(connection, run.id, [finding], 5)
+        done.set()
+
+    with store.begin() as connection:
+        recorder.record(connection, run.id, [finding], 5)
+        other = threading.Thread(target=second_judge)
+        other.start()
+        assert not done.wait(0.5)  # waits for the first to commit
+    other.join(30)
+    assert done.is_set()
+    with store.connect() as connection:
+        incidents = connection.execute(sa.select(INCIDENT.c.finding_count)).scalars().all()
+    assert incidents == [2]

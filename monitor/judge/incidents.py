@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from monitor.store import audit, models
+from monitor.store.locks import lock_run_incidents
 from policies.incidents import RESOLVES, GroupingConfig, extend, matching_incident, open_incident, scope_of
 from policies.types import Finding, IncidentView, Severity
 
@@ -59,6 +60,7 @@ class IncidentRecorder:
         """Store the findings and attach each to its incident; returns incidents touched."""
         if not findings:
             return []
+        lock_run_incidents(connection, run_id)  # before reading them: see its docstring
         now = self._clock()
         opened = self._open_incidents(connection, run_id)
         abandoned = abandoned_spans(connection, run_id)

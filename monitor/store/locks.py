@@ -19,6 +19,8 @@ AUDIT_APPENDS = 0x5248_0002
 """Appending to the audit chain (key 0: there is one chain)."""
 RUN_JUDGE = 0x5248_0003
 """Judging one run: a session lock, held by the replica that judges it (``monitor.store.leases``)."""
+RUN_INCIDENTS = 0x5248_0004
+"""Attaching one run's findings to its incidents."""
 
 
 def is_postgres(connection: Connection) -> bool:
@@ -44,3 +46,15 @@ def lock_audit_appends(connection: Connection) -> None:
     ``prev_hash``; with many replicas that retrying is most of the work)."""
     if is_postgres(connection):
         connection.execute(sa.text("SELECT pg_advisory_xact_lock(:space, 0)"), {"space": AUDIT_APPENDS})
+
+
+def lock_run_incidents(connection: Connection, run_id: int) -> None:
+    """Until the transaction ends, no other replica attaches findings to this run's incidents.
+
+    One replica judges a run, but two can for a moment (one whose lease session failed, before
+    its next look): a finding recorded under this lock sees the incident the other one opened,
+    committed, and joins it instead of opening a second."""
+    if is_postgres(connection):
+        connection.execute(
+            sa.text("SELECT pg_advisory_xact_lock(:space, :run)"), {"space": RUN_INCIDENTS, "run": run_id}
+        )
