@@ -1,0 +1,64 @@
+"""A replica judging what another replica stored (monitor/judge/arrivals.py): every window once,
+and a record stored after its window was judged judged late, once."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from monitor.config import ServiceConfig
+from monitor.service import Service
+from monitor.store import models
+from monitor.store.db import create_store_engine
+from monitor.store.leases import RunLeases
+from tests.support import ADMIN_TOKEN, RunHandle, both_backends, post, spiky_windows
+
+SUMMARY = models.table_of(models.StepSummary)
+FINDING = models.table_of(models.FindingRow)
+
+
+def replica(store: Engine, name: str) -> Service:
+    """A service that judges only through ``judge_arrivals`` (its lease is not asked here)."""
+    service = Service(create_store_engine(store.url), ServiceConfig(admin_token=ADMIN_TOKEN))
+    service.replicate(RunLeases(store.url, name))
+    return service
+
+
+def judged(store: Engine) -> int:
+    with store.connect() as connection:
+        return int(
+            connection.execute(sa.select(sa.func.count()).where(SUMMARY.c.judged.is_(True))).scalar_one()
+        )
+
+
+def late_findings(store: Engine) -> list[tuple[int, int, str]]:
+    with store.connect() as connection:
+        rows = connection.execute(
+            sa.select(FINDING.c.attempt, FINDING.c.rank, FINDING.c.kind).where(FINDING.c.rank == 2)
+        )
+        return [tuple(row) for row in rows]
+
+
+@both_backends
+def test_the_judge_judges_what_another_replica_stored_and_a_late_record_once(
+    store: Engine, run: RunHandle
+) -> None:
+    storing, judge = replica(store, "storing"), replica(store, "judge")
+    try:
+        judge.take_over(run.id)
+        post(storing, run, spiky_windows(range(1, 21)))
+        assert judged(store) == 0  # storing is no judge
+        judge.judge_arrivals(run.id)
+        assert judged(store) == 20
+        # A third rank's record of window 5, judged already: a NaN that only it shows.
+        late = {**spiky_windows(range(5, 6))[0], "rank": 2, "loss_sum": "NaN"}
+        post(storing, run, [late])
+        judge.judge_arrivals(run.id)
+        found = late_findings(store)
+        assert found == [(5, 2, "nonfinite")]
+        judge.judge_arrivals(run.id)  # nothing new: nothing judged again
+        assert late_findings(store) == found
+        assert storing.counter_snapshot()[(run.name, "late")] == 1
+    finally:
+        for service in (storing, judge):
+            service.engine.dispose()
