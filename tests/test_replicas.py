@@ -4,6 +4,8 @@ killed the other takes the run over and opens the incident that follows once."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -195,3 +197,31 @@ def test_a_replica_stopped_cleanly_hands_its_runs_over_at_once(
     first.stop()
     wait_for("the second replica to judge the run", lambda: health(second).get("judging") == ["run-c"], 30)
     assert time.monotonic() - stopped_at < FAILOVER_S
+
+
+def test_a_stopped_judges_runs_go_to_the_other_replica_and_it_rejoins_without_them(
+    store: Engine, replicas: Callable[[str], ServeProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGSTOP: the process keeps its connections (its kernel still answers TCP), so only
+    PostgreSQL's idle-session timeout on the lease session (8 s) frees its runs."""
+    first = replicas("first")
+    first.create_run("run-d")
+    wait_for("the first replica to judge the run", lambda: health(first).get("judging") == ["run-d"], 30)
+    second = replicas("second")
+    assert first.pid is not None
+    stopped_at = time.monotonic()
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            "the second replica to judge the run", lambda: health(second).get("judging") == ["run-d"], 60
+        )
+        takeover_s = time.monotonic() - stopped_at
+        with capsys.disabled():
+            print(f"takeover from a stopped judge: {takeover_s:.2f} s")
+        assert takeover_s < FAILOVER_S + 5  # the 8 s idle timeout and one look
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    # Back, it finds its session gone, stops judging, and takes nothing from its peer's share.
+    wait_for("the first replica back, judging nothing", lambda: health(first).get("judging") == [], 30)
+    with store.connect() as connection:
+        assert holders(connection) == {1: "second"}

@@ -9,6 +9,9 @@ as that session, so there is no expiry to renew and no clock to trust:
   session and frees its locks at once, and another replica takes the runs at its next look;
 - a host that vanishes without closing its sockets is found by TCP keepalives, set on both ends
   of the session to give up after ``dead_peer_s``;
+- a replica that stops looking at its leases (stopped, hung, or in a judging pass longer than
+  ``dead_peer_s``) has its session ended by PostgreSQL once it is idle that long
+  (``idle_session_timeout``), so its runs go to a replica that does look;
 - a replica whose own session fails stops judging every run it held (``refresh`` returns them
   as lost) before anyone else can have them for longer than one look.
 
@@ -145,6 +148,9 @@ class RunLeases:
         for name, value in (("tcp_keepalives_idle", idle), ("tcp_keepalives_interval", interval)):
             connection.execute(sa.text(f"SET {name} = {int(value)}"))
         connection.execute(sa.text("SET tcp_keepalives_count = 2"))
+        # And a replica alive but stuck (stopped, hung, its judging pass too long) looks at its
+        # leases no more: PostgreSQL ends a session idle this long, and its locks with it.
+        connection.execute(sa.text(f"SET idle_session_timeout = {int(self._dead_peer_s * 1000)}"))
         self._connection = connection
         return connection
 
