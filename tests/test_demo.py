@@ -51,6 +51,12 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     readers = result["readers"]  # rank 0's, which reads for the node: what it samples, or why not
     assert set(readers) == {"nvml", "links"}
     assert all(line.startswith(("sampling ", "idle: ")) for line in readers.values()), readers
+    # where the run's time went: the hold, the work redone after the rollback and the canary
+    # rounds are badput in their own categories, and the interval advice has its arithmetic
+    shares = {c["cause"]: c["seconds"] for c in result["goodput"]["categories"]}
+    assert 0 < result["goodput"]["goodput_ratio"] < 1
+    assert min(shares["hold"], shares["redone_rollback"], shares["canary"]) > 0, shares
+    assert result["goodput"]["interval"]["arithmetic"]
 
 
 def test_the_demo_rejects_a_corrupt_step_inside_warm_up(capsys: pytest.CaptureFixture[str]) -> None:

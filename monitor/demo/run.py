@@ -528,6 +528,8 @@ def report(
                 [[e["seq"], e["actor"], e["action"], (e["reason"] or "")[:90]] for e in story["story"]],
             )
         )
+    goodput = demo.cli("goodput", demo.run, "--db", str(demo.db))
+    demo.say(_goodput_line(goodput))
     demo.say(
         f"audit chain {'intact' if chain.ok else 'BROKEN'}: {chain.entries} entries. "
         f"{seconds:.0f} s. Explore: runhealth incidents --db {demo.db}; runhealth proposals --db {demo.db}; "
@@ -546,7 +548,26 @@ def report(
         "outage": outage,
         "hold": hold,
         "readers": readers,
+        "goodput": goodput,
     }
+
+
+def _goodput_line(goodput: dict[str, Any]) -> str:
+    """Where the run's wall time went, largest badput first, and the interval advice."""
+    ratio = goodput["goodput_ratio"]
+    lost = sorted(
+        (c for c in goodput["categories"] if c["cause"] != "productive" and c["share"]),
+        key=lambda c: -c["share"],
+    )
+    causes = ", ".join(f"{c['label']} {100 * c['share']:.1f}%" for c in lost[:4])
+    advised = goodput["interval"]["advised"]
+    advice = (
+        f"; checkpoint every {advised['interval_s']:.0f} s (Young/Daly), not {goodput['interval']['current']['interval_s']:.1f} s"
+        if advised and goodput["interval"]["current"]
+        else ""
+    )
+    productive = "unknown" if ratio is None else f"{100 * ratio:.1f}%"
+    return f"[bold]goodput[/bold]: {productive} of {goodput['wall_s']:.0f} s productive; {causes}{advice}"
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
