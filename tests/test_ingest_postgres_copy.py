@@ -235,6 +235,26 @@ def test_changed_samples_conflict_and_nan_resent_does_not(stores: list[Store]) -
     )
 
 
+def test_a_record_resent_at_another_time_conflicts_everywhere(stores: list[Store]) -> None:
+    """On PostgreSQL the time-partitioned tables' unique key holds the record's time: a record
+    re-sent with another time must still be refused as on SQLite, its whole batch with it, the
+    first such record in the batch named, whichever partition the other time falls in."""
+    same_everywhere(stores, awkward_steps(0) + samples(1))
+    before = {store.name: to_wire(snapshot(store.engine)) for store in stores}
+    stored = awkward_steps(0)[3]
+    later_day = {**stored, "time": stored["time"] + 3 * 86_400}
+    [device, _other, link] = samples(1)
+    moved = [*awkward_steps(1), later_day, {**device, "time": device["time"] + 1}]
+    assert same_everywhere(stores, moved) == {
+        "conflict": (4, "step", {"incarnation": INCARNATION, "rank": 3, "attempt": 0})
+    }
+    assert same_everywhere(stores, [{**link, "time": link["time"] - 1}])["conflict"][1] == "link_sample"
+    for store in stores:
+        assert to_wire(snapshot(store.engine)) == before[store.name], store.name
+    # The same records at their own times are re-sent records, not conflicts.
+    assert same_everywhere(stores, awkward_steps(0) + samples(1))["duplicates"] == 4 + 3
+
+
 def test_repeats_and_conflicts_inside_one_batch(stores: list[Store]) -> None:
     window = awkward_steps(0)
     assert same_everywhere(stores, window + window)["duplicates"] == len(window)

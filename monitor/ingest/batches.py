@@ -257,14 +257,45 @@ def _insert_new_rows(
     connection: Connection, spec: TableSpec, run_id: int, rows: list[dict[str, Any]]
 ) -> dict[int, str | None]:
     """The Core path: insert the rows whose key is not stored; for each row that was not
-    inserted (by position), the content hash stored under its key."""
+    inserted (by position), the content hash stored under its key, and for each inserted row
+    whose key is also stored at another time (``_stored_at_other_times``), that row's hash."""
     inserted = _insert_new(connection, spec, rows)
-    if len(inserted) == len(rows):
-        return {}
     keys = [tuple(row[name] for name in spec.key) for row in rows]
+    elsewhere = _stored_at_other_times(connection, spec, run_id, rows, keys, inserted)
+    if len(inserted) == len(rows):
+        return elsewhere
     missing = {position: key for position, key in enumerate(keys) if key not in inserted}
-    stored = dict(_stored_hashes(connection, spec, run_id, missing.values()))
-    return {position: stored.get(key) for position, key in missing.items()}
+    stored = {
+        key: stored_hash
+        for key, stored_hash in _stored(connection, spec, run_id, missing.values(), spec.table.c.content_hash)
+    }
+    return {position: stored.get(key) for position, key in missing.items()} | elsewhere
+
+
+def _stored_at_other_times(
+    connection: Connection,
+    spec: TableSpec,
+    run_id: int,
+    rows: list[dict[str, Any]],
+    keys: list[tuple[Any, ...]],
+    inserted: set[tuple[Any, ...]],
+) -> dict[int, str | None]:
+    """On a time-partitioned PostgreSQL table the unique key holds the record's time, so a
+    record re-sent with another time went in beside the stored one; SQLite's key refuses it.
+    For each such inserted row (by position), the hash of the one stored at the other time."""
+    if models.partition_free_key(spec.table, connection.dialect.name) is None or not inserted:
+        return {}
+    time = models.PARTITION_COLUMN
+    by_key = {key: position for position, key in enumerate(keys) if key in inserted}
+    elsewhere: dict[int, str | None] = {}
+    # The inserted rows are read back too (this transaction's), each at its own time.
+    for key, stored_time, stored_hash in _stored(
+        connection, spec, run_id, by_key, spec.table.c[time], spec.table.c.content_hash
+    ):
+        position = by_key[key]
+        if stored_time != rows[position][time]:
+            elsewhere.setdefault(position, stored_hash)
+    return elsewhere
 
 
 def _row_of(record: Any, spec: TableSpec) -> dict[str, Any]:
@@ -334,15 +365,20 @@ def _sqlite_json(value: Any) -> Any:
     return None if value is None else orjson.dumps(to_wire(value)).decode()
 
 
-def _stored_hashes(
-    connection: Connection, spec: TableSpec, run_id: int, keys: Iterable[tuple[Any, ...]]
-) -> list[tuple[tuple[Any, ...], str]]:
+def _stored(
+    connection: Connection,
+    spec: TableSpec,
+    run_id: int,
+    keys: Iterable[tuple[Any, ...]],
+    *columns: sa.ColumnElement[Any],
+) -> list[tuple[Any, ...]]:
+    """The stored rows of ``keys``: each row's key (a tuple), then its ``columns``."""
     keys = list(keys)
     if not keys:
         return []
     table = spec.table
     key_columns = [table.c[name] for name in spec.key]
-    found: list[tuple[tuple[Any, ...], str]] = []
+    found: list[tuple[Any, ...]] = []
     # Bounded IN lists keep every backend's parameter limit out of reach.
     for start in range(0, len(keys), 500):
         chunk = keys[start : start + 500]
@@ -351,8 +387,9 @@ def _stored_hashes(
             if len(key_columns) == 1
             else sa.tuple_(*key_columns).in_(chunk)
         )
-        query = sa.select(*key_columns, table.c.content_hash).where(table.c.run_id == run_id, condition)
-        found.extend((tuple(row[:-1]), row[-1]) for row in connection.execute(query))
+        query = sa.select(*key_columns, *columns).where(table.c.run_id == run_id, condition)
+        width = len(key_columns)
+        found.extend((tuple(row[:width]), *row[width:]) for row in connection.execute(query))
     return found
 
 

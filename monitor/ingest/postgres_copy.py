@@ -10,7 +10,9 @@ statement answers which staged rows did not go in; their stored content hashes a
 back so the caller tells a re-sent record from a conflicting one exactly as on SQLite.
 
 The conflict target is the table's unique constraint as the models declare it: on a table
-partitioned by time that constraint (and so the arbiter index) includes the partition key.
+partitioned by time that constraint (and so the arbiter index) includes the partition key, so
+the same statement also answers the staged rows whose key is stored at another time (a record
+re-sent with another time, which SQLite's key refuses as a conflict).
 """
 
 from __future__ import annotations
@@ -60,18 +62,26 @@ def insert_new(
 ) -> dict[int, str | None]:
     """Insert the rows whose unique key is not stored yet. Returns, for each row that was not
     inserted (by its position in ``rows``), the content hash stored under its key (``None`` if
-    that row went away meanwhile); empty when all went in."""
+    that row went away meanwhile), and for each row whose key without its time is stored at
+    another time (a time-partitioned table, ``models.partition_free_key``), that row's hash;
+    empty when all went in and none was stored at another time."""
     if not rows:
         return {}
     _staged(connection, _stage_of(table), rows)
     move, stored = _keyed_statements(table)
-    missing = list(connection.exec_driver_sql(move).scalars())
-    if not missing:
+    answered = connection.exec_driver_sql(move).all()
+    if not answered:
         return {}
-    found = {
-        position: stored_hash for position, stored_hash in connection.exec_driver_sql(stored, (missing,))
-    }
-    return {position: found.get(position) for position in missing}
+    missing = [position for position, other_time_hash in answered if other_time_hash is None]
+    found = (
+        {p: stored_hash for p, stored_hash in connection.exec_driver_sql(stored, (missing,))}
+        if missing
+        else {}
+    )
+    # A key stored at another time is answered as that record: its content differs (the time
+    # is content), so the caller refuses it as SQLite's unique key on the key alone would.
+    elsewhere = {position: other for position, other in answered if other is not None}
+    return {position: found.get(position) for position in missing} | elsewhere
 
 
 def upsert_newer(
@@ -136,8 +146,20 @@ def _keyed_statements(table: sa.Table) -> tuple[str, str]:
     move = (
         f"WITH inserted AS (INSERT INTO {table.name} ({names}) SELECT {names} FROM {stage.name} "
         f"ON CONFLICT ({', '.join(keys)}) DO NOTHING RETURNING {', '.join(keys)}) "
-        f"SELECT s.{ORDINAL} FROM {stage.name} s WHERE NOT EXISTS (SELECT FROM inserted i WHERE {inserted})"
+        f"SELECT s.{ORDINAL}, NULL::text FROM {stage.name} s "
+        f"WHERE NOT EXISTS (SELECT FROM inserted i WHERE {inserted})"
     )
+    key = models.partition_free_key(table, "postgresql")
+    if key is not None:
+        # The same record at another time: the table's unique key holds the time (its
+        # partition column), so the insert let it in. The statement's scan of the table sees
+        # the rows stored before it, not the CTE's own (one snapshot), and the unique index
+        # (key..., time) makes each probe an index lookup per partition.
+        same = " AND ".join(f"t.{name} = s.{name}" for name in key)
+        move += (
+            f" UNION ALL SELECT s.{ORDINAL}, t.content_hash FROM {stage.name} s "
+            f"JOIN {table.name} t ON {same} AND t.{models.PARTITION_COLUMN} <> s.{models.PARTITION_COLUMN}"
+        )
     # A statement of its own, so a row another transaction committed meanwhile is seen.
     same_key = " AND ".join(f"t.{name} = s.{name}" for name in keys)
     stored = (

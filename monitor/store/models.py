@@ -146,6 +146,16 @@ def unique_key(table: sa.Table, dialect: str) -> tuple[str, ...]:
     return tuple(column.name for column in constraint.columns)
 
 
+def partition_free_key(table: sa.Table, dialect: str) -> tuple[str, ...] | None:
+    """The record's own key where ``dialect``'s unique key also holds the partition column
+    (``raw_record_keys``): the unique index does not stop that key being stored again at
+    another time, so ingest looks for one itself. ``None`` where the unique key is the record's."""
+    key = unique_key(table, dialect)
+    if PARTITION_COLUMN not in key or table.name not in PARTITIONED_TABLES:
+        return None
+    return tuple(name for name in key if name != PARTITION_COLUMN)
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {float: Float64(), dict[str, Any]: sa.JSON(), list[Any]: sa.JSON()}
