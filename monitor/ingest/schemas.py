@@ -27,12 +27,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     TypeAdapter,
     ValidationError,
     WithJsonSchema,
     create_model,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from policies import protocol
 
@@ -71,11 +72,29 @@ def _wide_integers_as_floats(value: Any) -> Any:
     return value
 
 
+class _RealSchema:
+    """A number, or one of the three nonfinite names read as its float. A union in
+    pydantic-core: a finite number (the common case) is validated without calling Python; any
+    other value takes the ``float_from_wire`` path every float took before (a name read as its
+    float; a bare ``NaN`` token or a number past a double's range as the float validator reads
+    it), with its answers and its one error ``float_type`` ("Input should be a valid number").
+    The Python call on every float was 10 calls per step record."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        finite = core_schema.float_schema(strict=True, allow_inf_nan=False)
+        by_name = core_schema.no_info_before_validator_function(protocol.float_from_wire, handler(float))
+        return core_schema.union_schema(
+            [finite, by_name],
+            mode="left_to_right",
+            custom_error_type="float_type",  # its own message: "Input should be a valid number"
+        )
+
+
 # A float that may be nonfinite, sent as a number or as one of the three names (and documented
 # so in the API's OpenAPI document).
 Real = Annotated[
     float,
-    BeforeValidator(protocol.float_from_wire),
+    _RealSchema(),
     WithJsonSchema({"anyOf": [{"type": "number"}, {"type": "string", "enum": list(NONFINITE_NAMES)}]}),
 ]
 IncarnationId = Annotated[str, Field(min_length=1, max_length=64)]

@@ -20,60 +20,85 @@ from monitor.store import models
 SUMMARY = models.table_of(models.StepSummary)
 
 
-def _add(a: float | int | None, b: float | int | None) -> Any:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
-def _max(a: float | None, b: float | None) -> float | None:
-    """Maximum where a NaN anywhere wins: a NaN on one rank is the run's NaN."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return max(a, b)
-
-
-def _min(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return min(a, b)
-
-
 def fold(summary: dict[str, Any], record: dict[str, Any]) -> None:
     """Fold one rank's step record into a summary row, in place."""
-    summary["ranks_reported"] += 1
-    summary["step"] = max(summary["step"], record["step"])
-    summary["tokens"] = _add(summary["tokens"], record["tokens"])
-    summary["loss_sum"] = _add(summary["loss_sum"], record["loss_sum"])
-    if record["reported_loss"] is not None:
-        summary["reported_loss_sum"] = _add(summary["reported_loss_sum"], record["reported_loss"])
-        summary["reported_loss_count"] += 1
-    summary["grad_norm"] = _max(summary["grad_norm"], record["grad_norm"])
-    summary["lr"] = _max(summary["lr"], record["lr"])
-    # The smallest scale on any rank is the one that shows a collapse.
-    summary["loss_scale"] = _min(summary["loss_scale"], record["loss_scale"])
-    summary["skipped_ranks"] += 1 if record["skipped"] else 0
-    if record["consumed"] is not None:
-        summary["consumed"] = max(summary["consumed"] or 0, record["consumed"])
-    tokens, loss_sum = record["tokens"], record["loss_sum"]
-    if tokens and loss_sum is not None:
-        summary["rank_mean_sum"] = _add(summary["rank_mean_sum"], loss_sum / tokens)
-        summary["rank_mean_count"] += 1
-    if tokens is not None:
-        summary["min_rank_tokens"] = min(summary["min_rank_tokens"] or tokens, tokens)
-        summary["max_rank_tokens"] = max(summary["max_rank_tokens"] or 0, tokens)
-    summary["first_time"] = min(summary["first_time"], record["time"])
-    summary["last_time"] = max(summary["last_time"], record["time"])
-    if summary["judged"]:
-        summary["late_records"] += 1
+    fold_all(summary, (record,))
+
+
+def fold_all(summary: dict[str, Any], records: Iterable[dict[str, Any]]) -> None:
+    """Fold ranks' step records into a summary row, in place, in their order.
+
+    One pass with the row's fields in locals: a window of a thousand ranks is a thousand
+    records, and a helper call per field per record was most of folding's cost. Sums are added
+    in record order (float addition is not associative); a maximum or minimum with a NaN on
+    any rank is NaN (a NaN on one rank is the run's NaN); the smallest loss scale on any rank
+    is the one that shows a collapse."""
+    ranks, step, late = summary["ranks_reported"], summary["step"], summary["late_records"]
+    tokens_sum, loss_sum_sum = summary["tokens"], summary["loss_sum"]
+    reported_sum, reported_count = summary["reported_loss_sum"], summary["reported_loss_count"]
+    grad, lr, scale = summary["grad_norm"], summary["lr"], summary["loss_scale"]
+    skipped, consumed = summary["skipped_ranks"], summary["consumed"]
+    mean_sum, mean_count = summary["rank_mean_sum"], summary["rank_mean_count"]
+    min_tokens, max_tokens = summary["min_rank_tokens"], summary["max_rank_tokens"]
+    first_time, last_time, judged = summary["first_time"], summary["last_time"], summary["judged"]
+    nan = math.nan
+    for record in records:
+        ranks += 1
+        step = max(step, record["step"])
+        tokens, loss_sum = record["tokens"], record["loss_sum"]
+        if tokens is not None:
+            tokens_sum = tokens if tokens_sum is None else tokens_sum + tokens
+        if loss_sum is not None:
+            loss_sum_sum = loss_sum if loss_sum_sum is None else loss_sum_sum + loss_sum
+        reported = record["reported_loss"]
+        if reported is not None:
+            reported_sum = reported if reported_sum is None else reported_sum + reported
+            reported_count += 1
+        # x != x: only NaN is unequal to itself.
+        value = record["grad_norm"]
+        if value is not None:
+            grad = value if grad is None else nan if grad != grad or value != value else max(grad, value)
+        value = record["lr"]
+        if value is not None:
+            lr = value if lr is None else nan if lr != lr or value != value else max(lr, value)
+        value = record["loss_scale"]
+        if value is not None:
+            scale = value if scale is None else nan if scale != scale or value != value else min(scale, value)
+        if record["skipped"]:
+            skipped += 1
+        if record["consumed"] is not None:
+            consumed = max(consumed or 0, record["consumed"])
+        if tokens and loss_sum is not None:
+            mean = loss_sum / tokens
+            mean_sum = mean if mean_sum is None else mean_sum + mean
+            mean_count += 1
+        if tokens is not None:
+            min_tokens = min(min_tokens or tokens, tokens)
+            max_tokens = max(max_tokens or 0, tokens)
+        first_time = min(first_time, record["time"])
+        last_time = max(last_time, record["time"])
+        if judged:
+            late += 1
+    summary |= {
+        "ranks_reported": ranks,
+        "step": step,
+        "tokens": tokens_sum,
+        "loss_sum": loss_sum_sum,
+        "reported_loss_sum": reported_sum,
+        "reported_loss_count": reported_count,
+        "grad_norm": grad,
+        "lr": lr,
+        "loss_scale": scale,
+        "skipped_ranks": skipped,
+        "consumed": consumed,
+        "rank_mean_sum": mean_sum,
+        "rank_mean_count": mean_count,
+        "min_rank_tokens": min_tokens,
+        "max_rank_tokens": max_tokens,
+        "first_time": first_time,
+        "last_time": last_time,
+        "late_records": late,
+    }
 
 
 def empty_summary(run_id: int, incarnation: str, attempt: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -125,8 +150,7 @@ def fold_new_steps(
     for key, records in grouped.items():
         summary = existing.get(key)
         target = summary if summary is not None else empty_summary(run_id, *key, records[0])
-        for record in records:
-            fold(target, record)
+        fold_all(target, records)
         (updates if summary is not None else inserts).append(target)
     if inserts:
         connection.execute(SUMMARY.insert(), inserts)
