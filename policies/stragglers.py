@@ -78,11 +78,13 @@ class StragglerConfig:
       16-18 windows after it began (at 1.45 it took 19-25). Outside the backward is only part
       of the step, so a wait of 10% of the step is a larger share of this time: 1.45x at the
       lighter load, 1.22x at the heavier one, where it stays among the healthy ranks' noise.
-    - ``host_slow_ratio`` 1.2 and ``host_recover_ratio`` 1.1: a CPU rank's thread CPU phases
+    - ``host_slow_ratio`` 1.3 and ``host_recover_ratio`` 1.15: a CPU rank's thread CPU phases
       (a run whose ranks send wall times) against their own thresholds: ranks sharing a host
       share its caches and cores' pipelines, and a healthy rank's 3.5 ms forward of the
-      nanoGPT-style test trainer (4 ranks, the machine loaded) reached 1.14x its peers', under
-      both this rule and the one before it. A rank whose device work is slower still shows
+      nanoGPT-style test trainer (4 ranks, the machine loaded) reached 1.14x its peers' here,
+      and 1.21x on the 2-core CI machine (four ranks beside a second test worker), where 1.2
+      named it a straggler. A rank given 20 ms more compute on a 3 ms forward (the
+      diagnostics drill) is ~7x its peers'. A rank whose device work is slower still shows
       in ``OWN_WALL`` (its own wall time grows as much).
     """
 
@@ -98,8 +100,8 @@ class StragglerConfig:
     min_peers: int = 3
     phases: tuple[str, ...] = JUDGED
     wall_slow_ratio: float = 1.35
-    host_slow_ratio: float = 1.2
-    host_recover_ratio: float = 1.1
+    host_slow_ratio: float = 1.3
+    host_recover_ratio: float = 1.15
     wall_recover_ratio: float = 1.2
 
     def __post_init__(self) -> None:

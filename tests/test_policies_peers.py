@@ -211,10 +211,10 @@ def test_a_rank_that_waits_is_named_by_its_wall_time(slowdown: float, within: in
 
 
 def test_a_cpu_ranks_thread_time_is_judged_against_the_host_thresholds() -> None:
-    """Ranks that send wall times share a host: 14% more CPU time in the forward (as a healthy
-    rank of the nanoGPT-style test trainer reached on the loaded machine) is no straggler; 30%
-    is, at the host threshold."""
-    for slowdown, named in ((1.14, []), (1.30, [(3, "forward_s", 1.2)])):
+    """Ranks that send wall times share a host: 21% more CPU time in the forward (as a healthy
+    rank of the nanoGPT-style test trainer reached on the 2-core CI machine) is no straggler;
+    40% is, at the host threshold."""
+    for slowdown, named in ((1.21, []), (1.40, [(3, "forward_s", 1.3)])):
         windows = [waiting(s, {}) for s in range(1, 120)]
         for w in windows:
             w[3]["forward_s"] *= slowdown
