@@ -9,6 +9,7 @@ from enum import StrEnum
 from policies.checkpoints import CheckpointFacts, rejected_reasons, rewind_target
 from policies.diagnosis import Diagnosis, Verdict
 from policies.remedies import REMEDY_OF_KIND, Remedy, kind_remedy
+from policies.responses import ResponseConfig
 from policies.retries import RetryDecision
 
 
@@ -99,6 +100,7 @@ def propose(
     elif target is None:
         action = "quarantine" if hardware else "escalate"
         reasons.insert(0, f"no valid, finite checkpoint before step {incident.first_step}")
+        reasons[1:1] = _overwritten_after(checkpoints, incident, incident.kind)
     else:
         reasons.insert(
             0,
@@ -121,6 +123,31 @@ def propose(
         rejected_checkpoints=rejected_reasons(checkpoints, incident.first_step, unsafe),
         auto_approve=action == "rollback" and incident.kind in config.auto_approve,
     )
+
+
+def _overwritten_after(
+    checkpoints: tuple[CheckpointFacts, ...], incident: IncidentFacts, kind: str
+) -> list[str]:
+    """Checkpoints from before the fault whose files a save after it wrote over (a trainer that
+    saves to one path, as nanoGPT does): the good state is gone, and how to keep it next time."""
+    by_key = {c.key: c for c in checkpoints}
+    lost = [
+        (c, by_key[c.superseded_by])
+        for c in checkpoints
+        if c.step < incident.first_step
+        and c.superseded_by in by_key
+        and by_key[c.superseded_by].step >= incident.first_step
+    ]
+    hold = (
+        f", or hold the ranks on a {kind} (policies.response.{kind}=hold) so nothing saves before the decision"
+        if kind in ResponseConfig.kinds()
+        else ""
+    )
+    return [
+        f"the checkpoint of step {old.step} ({old.path}) was saved over at step {new.step}, after "
+        f"the fault: keep each checkpoint under its own name{hold}"
+        for old, new in lost[-1:]
+    ]
 
 
 def _data_action(

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 
 from monitor.api.server import prepare_store
+from monitor.cli.incidents import collapse_evidence
 from monitor.config import ServiceConfig
 from monitor.ingest.schemas import BatchIn
 from monitor.service import Service
@@ -98,6 +99,45 @@ def test_incident_shows_its_evidence_with_nan_encoded(
     assert shown["evidence"][0]["signal"] == "loss"
     code, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store))
     assert code == 0 and "nonfinite" in out
+
+
+def test_a_finding_repeated_at_consecutive_steps_is_one_evidence_row() -> None:
+    def finding(
+        step: int, signal: str = "loss", rank: int | None = None, value: float = math.nan
+    ) -> dict[str, Any]:
+        return {
+            "step": step,
+            "kind": "nonfinite",
+            "signal": signal,
+            "severity": "critical",
+            "value": value,
+            "threshold": None,
+            "rank": rank,
+            "message": f"{signal} at {step}",
+        }
+
+    evidence = [f for s in range(121, 769) for f in (finding(s), finding(s, "grad_norm"), finding(s, rank=0))]
+    evidence += [finding(900, value=3.0), finding(901, value=5.0), finding(950)]  # a gap: a new run
+    runs = collapse_evidence(evidence)
+    assert [(r.first["step"], r.last_step, r.count, r.first["signal"], r.first["rank"]) for r in runs] == [
+        (121, 768, 648, "grad_norm", None),
+        (121, 768, 648, "loss", None),
+        (121, 768, 648, "loss", 0),
+        (900, 901, 2, "loss", None),
+        (950, 950, 1, "loss", None),
+    ]
+    assert (runs[3].low, runs[3].high) == (3.0, 5.0)
+
+
+def test_incident_collapses_repeated_evidence_unless_asked_for_all(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", "spike")
+    incident_id = json.loads(out)["incidents"][0]["id"]
+    _, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--json")
+    findings = len(json.loads(out)["evidence"])
+    code, every, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--all")
+    assert code == 0 and every.count("│ 70 ") == findings  # one row per finding, all at step 70
 
 
 def test_runs_lists_and_creates(store: Path, capsys: pytest.CaptureFixture[str]) -> None:

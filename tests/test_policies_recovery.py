@@ -1,5 +1,7 @@
 """Recovery decisions: target selection (property-tested), diagnosis, retries, proposals."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -180,6 +182,32 @@ def test_hardware_quarantines_the_device_and_past_the_bound_escalates() -> None:
     denied = RetryDecision(False, "incident 9 was rolled back 2 times (bound 2): escalate")
     escalated = propose(INCIDENT, CHECKPOINTS, {}, hardware, denied, ProposalConfig())
     assert escalated is not None and escalated.action == "escalate" and escalated.target is None
+
+
+def test_an_escalation_names_the_good_checkpoint_a_save_after_the_fault_wrote_over() -> None:
+    """A trainer that saves to one path (nanoGPT's ``out/ckpt.pt``) saved NaN weights over the
+    last good state: the escalation says so and how to keep it next time."""
+    nan = IncidentFacts(key=4, kind="nonfinite", first_step=121, last_step=140, current_step=160)
+    before = CheckpointFacts(key=1, step=100, path="model.pt", valid=True, superseded_by=2)
+    after = CheckpointFacts(key=2, step=150, path="model.pt", valid=True)
+    proposal = propose(
+        nan, (before, after), {2: "nonfinite"}, diagnose(Evidence()), ALLOWED, ProposalConfig()
+    )
+    assert proposal is not None and proposal.action == "escalate"
+    assert proposal.reasons[1] == (
+        "the checkpoint of step 100 (model.pt) was saved over at step 150, after the fault: keep each "
+        "checkpoint under its own name, or hold the ranks on a nonfinite "
+        "(policies.response.nonfinite=hold) so nothing saves before the decision"
+    )
+    # Saved over before the fault: that is the trainer's rotation, not a lost good state.
+    earlier = replace(after, step=110)
+    quiet = propose(nan, (before, earlier), {}, diagnose(Evidence()), ALLOWED, ProposalConfig())
+    assert quiet is not None and quiet.target == earlier
+    assert not any("saved over" in r for r in quiet.reasons)
+    # A kind without a service response is told only to keep its checkpoints apart.
+    shift = replace(nan, kind="level_shift")
+    shifted = propose(shift, (before, after), {}, diagnose(Evidence()), ALLOWED, ProposalConfig())
+    assert shifted is not None and shifted.reasons[1].endswith("keep each checkpoint under its own name")
 
 
 def test_no_rollback_for_kinds_it_cannot_help_and_auto_approve_is_opt_in() -> None:
