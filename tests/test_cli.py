@@ -87,13 +87,19 @@ def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[s
     assert json.loads(out)["incidents"] == []
 
 
-def test_incident_shows_its_evidence_with_nan_encoded(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", "nonfinite")
+def shown_incident(store: Path, capsys: pytest.CaptureFixture[str], kind: str) -> tuple[int, str]:
+    """The id of the store's incident of ``kind`` and its ``runhealth incident --json``."""
+    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", kind)
     incident_id = json.loads(out)["incidents"][0]["id"]
     code, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--json")
     assert code == 0
+    return incident_id, out
+
+
+def test_incident_shows_its_evidence_with_nan_encoded(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    incident_id, out = shown_incident(store, capsys, "nonfinite")
     assert '"value": "NaN"' in out
     shown = json.loads(out)
     assert shown["evidence"][0]["signal"] == "loss"
@@ -132,9 +138,7 @@ def test_a_finding_repeated_at_consecutive_steps_is_one_evidence_row() -> None:
 def test_incident_collapses_repeated_evidence_unless_asked_for_all(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _, out, _ = cli_result(capsys, "incidents", "--db", str(store), "--json", "--kind", "spike")
-    incident_id = json.loads(out)["incidents"][0]["id"]
-    _, out, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--json")
+    incident_id, out = shown_incident(store, capsys, "spike")
     findings = len(json.loads(out)["evidence"])
     code, every, _ = cli_result(capsys, "incident", str(incident_id), "--db", str(store), "--all")
     assert code == 0 and every.count("│ 70 ") == findings  # one row per finding, all at step 70
