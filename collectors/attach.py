@@ -18,7 +18,7 @@ from typing import Any
 
 from collectors.backoff import rank_seed
 from collectors.collectives import Collectives
-from collectors.config import RunHealthConfig, default_run_name
+from collectors.config import RunHealthConfig, default_run_name, launcher_run_name
 from collectors.counters import Counters
 from collectors.embedded import EmbeddedService, Endpoint, store_path
 from collectors.layout import Identity
@@ -36,11 +36,15 @@ log = logging.getLogger("runhealth.collectors")
 class RunId:
     incarnation: str
     run: str
+    by_start_time: bool = False
+    """Named from this start's time: neither the user nor the launcher named the job, so a
+    later start (a resume) will be another run."""
 
 
 def agree_on_run(collectives: Collectives, run: str | None, environ: Mapping[str, str]) -> RunId:
     """Every rank proposes; rank 0's proposal wins, in one broadcast."""
-    proposal = RunId(str(uuid.uuid4()), run or default_run_name(environ, time.time()))
+    named = run or launcher_run_name(environ)
+    proposal = RunId(str(uuid.uuid4()), named or default_run_name(environ, time.time()), named is None)
     agreed: RunId = collectives.broadcast(proposal)
     return agreed
 

@@ -104,6 +104,8 @@ class CheckpointEvents:
         self._saves: deque[SaveMark] = deque()
         self._saves_lock = threading.Lock()  # staged and saved may come from a save's own thread
         self._published: str | None = None  # the last checkpoint this hook recorded: the recovery point
+        self.run_named_at_start: str | None = None
+        """Rank 0's run name when only the start time named it (``RunId.by_start_time``)."""
 
     @guarded
     def checkpoint_saving(self, step: int | None = None) -> None:
@@ -322,6 +324,8 @@ class CheckpointEvents:
         windows = self._windows
         if windows.active and windows.attempt > 0:
             self._new_incarnation()  # restored in this process: what follows is a new start
+        elif self.run_named_at_start is not None:
+            self._say_resume_is_a_new_run(checkpoint_path)
         self._agent.stop = None  # the rollback it stopped for is done
         watched_optimizer = windows.optimizers[0] if windows.optimizers else None
         restored = gather_restored(  # reads device values: a sync, once, at resume
@@ -350,6 +354,19 @@ class CheckpointEvents:
         windows.pending_resume = pending  # the window's start sends it (``flush_resume``)
         if first_sample_ids is not None or windows.window is not None:
             self.flush_resume()
+
+    def _say_resume_is_a_new_run(self, checkpoint_path: str | None) -> None:
+        """A start that resumes, in a run named from its own start time: the run that saved the
+        checkpoint is another run, and its checkpoint record and loss are not this run's."""
+        log.warning(
+            "runhealth: resuming%s in run %s, a name taken from this start's time: the run that "
+            "saved the checkpoint is another run, so this resume is not checked against its "
+            "checkpoint record or its loss, nor counted with its restarts. Give every start of "
+            "the job one name: RUNHEALTH_RUN=NAME (or torchrun --rdzv-id, or Slurm's job id)",
+            f" from {checkpoint_path}" if checkpoint_path else "",
+            self.run_named_at_start,
+        )
+        self.run_named_at_start = None
 
     def _data_position(self, data_state: Any, deterministic: bool | None) -> dict[str, Any]:
         """What the resume says of its data position. A state that cannot be digested is

@@ -153,17 +153,22 @@ def _overlay(base: Any, explicit: Any, default: Any) -> Any:
     return dataclasses.replace(base, **changes)
 
 
-def default_run_name(environ: Mapping[str, str], now: float) -> str:
-    """A name every start of the same job agrees on when the launcher names the job
-    (torchrun's ``TORCHELASTIC_RUN_ID``, Slurm's ``SLURM_JOB_ID``); else one made from the
-    start time. Only rank 0's proposal is used (it is broadcast)."""
+def launcher_run_name(environ: Mapping[str, str]) -> str | None:
+    """A name every start of the same job agrees on, when the launcher names the job
+    (torchrun's ``TORCHELASTIC_RUN_ID``, Slurm's ``SLURM_JOB_ID``, both kept by a requeue)."""
     elastic = text(environ, "TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
         return run_name_from(f"run-{elastic}")
     slurm = text(environ, "SLURM_JOB_ID")
     if slurm:
         return run_name_from(f"slurm-{slurm}")
-    return "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+    return None
+
+
+def default_run_name(environ: Mapping[str, str], now: float) -> str:
+    """The launcher's name for the job, else one made from the start time (so another start
+    of the same script is another run). Only rank 0's proposal is used (it is broadcast)."""
+    return launcher_run_name(environ) or "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
 
 
 def run_name_from(text: str) -> str:

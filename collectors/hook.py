@@ -182,6 +182,8 @@ class RunHealth:
         self._collectives = collectives_for(torch)
         ids = attach.agree_on_run(self._collectives, self.config.transport.run, self._environ)
         self.run = ids.run
+        if ids.by_start_time and self.identity.rank == 0:
+            self._events.run_named_at_start = ids.run  # a resume says what that costs, once
         if self.config.transport.url or self._transport is not None:
             self._destination = attach.configured(self.config)
         else:

@@ -269,7 +269,6 @@ class RunHealthCallback(Callback):
                 raise
             self._saved(trainer, filepath)
 
-
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
         self._save = (trainer, save_checkpoint)
 

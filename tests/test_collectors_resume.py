@@ -4,10 +4,13 @@ offsets of a token file, the generator re-seeded at every start."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from collectors import RunHealth, RunHealthConfig, build_manifest
@@ -156,6 +159,31 @@ def test_a_resume_without_a_cursor_leaves_the_consumed_count_unknown(tmp_path: P
     resume, rh = resume_record(tmp_path, optimizer)
     assert resume["restored"]["consumed"] is None
     assert rh.progress == {"attempt": 1, "step": 3, "consumed": None}  # not 4: nothing says 0 came before
+
+
+@pytest.mark.parametrize(
+    ("run", "environ", "told"),
+    [
+        (None, {}, True),  # a hand-launched script: each start is named from its time
+        ("named", {}, False),
+        (None, {"SLURM_JOB_ID": "77"}, False),  # a requeue keeps the job id, and with it the run
+    ],
+)
+def test_a_resume_in_a_run_named_from_its_start_time_says_it_is_not_the_saving_run(
+    tmp_path: Path, run: str | None, environ: dict[str, str], told: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, optimizer = trained(1)
+    settings = replace(config(tmp_path), transport=TransportConfig(run=run))
+    rh = RunHealth(config=settings, transport=RecordingTransport(), environ=environ, hostname=lambda: "n")
+    with caplog.at_level(logging.WARNING, logger="runhealth.collectors"), rh.start():
+        rh.watch(optimizer=optimizer)
+        rh.resumed(checkpoint_path="out/ckpt.pt", checkpoint_step=1)
+        rh.resumed(checkpoint_path="out/ckpt.pt", checkpoint_step=1)  # said once
+    said = [r.getMessage() for r in caplog.records if "a name taken from this start's time" in r.getMessage()]
+    assert len(said) == (1 if told else 0)
+    if told:
+        assert f"in run {rh.run}," in said[0] and "RUNHEALTH_RUN=NAME" in said[0]
+        assert said[0].startswith("runhealth: resuming from out/ckpt.pt in run ")
 
 
 def test_the_digest_is_of_the_content() -> None:
