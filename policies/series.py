@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from policies.continuity import (
     ContinuityConfig,
     ContinuityState,
+    after_findings,
     at_restart,
     level_at,
     level_shift_at_restart,
@@ -74,7 +76,15 @@ def observe_step(
     )
     numerics, numeric = observe_numerics(state.numerics, point, config.numerics)
     findings = numeric + resumed + spikes + grad_spikes + normalization_findings(point, config.normalization)
+    continuity = after_findings(continuity, findings)
     return SeriesState(loss_spike, grad_norm_spike, numerics, continuity), findings
+
+
+def noted(state: SeriesState, findings: Sequence[Finding]) -> SeriesState:
+    """The series after other policies' findings about its newest step (the per-rank ones): a
+    rank's spike or NaN is as much a reason for a rollback as the run's
+    (``policies.continuity.after_findings``)."""
+    return replace(state, continuity=after_findings(state.continuity, findings))
 
 
 def _named_at_restart(finding: Finding, continuity: ContinuityState, config: SeriesConfig) -> Finding:

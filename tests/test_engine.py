@@ -328,3 +328,50 @@ def test_a_windows_records_are_read_through_an_index_not_a_scan_of_the_incarnati
         plan = " ".join(str(row) for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}"))
     engine.dispose()
     assert "ix_step_records_window" in plan, plan
+
+
+@dataclass
+class RankSpikeAt:
+    """A per-rank policy registered from a test: rank 1's loss spiked at ``step`` (a rank's
+    spike the run's mean does not show)."""
+
+    step: int
+    config: None = None
+    name: str = "rank_spike_at"
+    late: bool = False
+    device_evidence: bool = False
+
+    def start(self) -> None:
+        return None
+
+    def judge(self, state: None, observed: RankWindow) -> tuple[None, list[Finding]]:
+        if observed.step != self.step or observed.incarnation != INCARNATION:
+            return None, []
+        return None, [Finding(self.step, "rank_loss_spike", Severity.CRITICAL, "loss", 9.0, 3.0, "", rank=1)]
+
+
+def test_a_ranks_spike_ends_what_a_replay_is_compared_with(tmp_path: Path) -> None:
+    """Rolled back onto 38 after rank 1 spiked at 40: the abandoned steps from 40 on are no
+    reference, and 38-39 are too few, so a replay 20% away is not judged there; with the rank's
+    spike elsewhere (at 55), the same replay is a broken resume."""
+    for spiked_at, named in ((40, False), (55, True)):
+        service, run_id = make_service(tmp_path / f"{spiked_at}.db")
+        records = [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}]
+        records += steps(range(1, 61), (0, 1))
+        resumed = str(uuid.uuid4())
+        records += [{"kind": "run_start", "incarnation": resumed, "time": 61.0, "world_size": 2}]
+        replay = {a: 1.2 * (2.0 + 0.01 * (a % 3)) for a in range(38, 50)}
+        records += [
+            {**r, "incarnation": resumed, "time": 61.0 + r["time"]}
+            for r in steps(range(38, 50), (0, 1), replay)
+        ]
+        with service.engine.begin() as connection:
+            stored = ingest_batch(
+                connection, run_id, BatchIn.model_validate({"records": records}).records, 1.0
+            )
+            fold_new_steps(connection, run_id, stored.new_rows["step"])
+        engine = PolicyEngine(service.engine, EngineConfig(), Clock(), rank_policies=[RankSpikeAt(spiked_at)])
+        engine.judge(run_id)
+        with service.engine.connect() as connection:
+            kinds = [(f["kind"], f["step"]) for f in queries.list_findings(connection, run_id)]
+        assert kinds == [("rank_loss_spike", spiked_at), *([("broken_resume", 38)] if named else [])]

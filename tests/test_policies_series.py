@@ -73,12 +73,12 @@ def test_a_replay_of_logged_steps_away_from_what_the_run_had_there_is_a_broken_r
     tmp_path: Path, moved: float, named: bool
 ) -> None:
     """Resumed at 400 after training to 600 (a crash, an older checkpoint): the replayed steps
-    should continue the level the run had at 400; 8% above or below it, they did not resume
-    from that state (as in birdjepa's resume jumps); 2% is within a run's noise. The rule is
-    opt-in."""
+    should log what the run logged at them; 8% above or below, they did not resume from that
+    state (as in birdjepa's resume jumps); 2% is under the rule's 3% floor. ``replay_shift`` 0
+    turns the rule off."""
     rng = random.Random(5)
     rows = [(s, loss_at(s, rng), 0) for s in range(1, 601)]
     rows += [(s, loss_at(s, rng) * moved, 0) for s in range(400, 800)]
-    assert incidents(tmp_path, rows) == []  # off by default (ContinuityConfig.replay_shift)
-    on = SeriesConfig(continuity=ContinuityConfig(replay_shift=0.04))
-    assert incidents(tmp_path, rows, on) == ([("broken_resume", 400)] if named else [])
+    assert incidents(tmp_path, rows) == ([("broken_resume", 400)] if named else [])
+    off = SeriesConfig(continuity=ContinuityConfig(replay_shift=0.0))
+    assert incidents(tmp_path, rows, off) == []

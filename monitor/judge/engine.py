@@ -34,7 +34,7 @@ from policies.readiness import (
     ready_windows,
 )
 from policies.registry import RankPolicy, rank_policies
-from policies.series import SeriesState, observe_step
+from policies.series import SeriesState, noted, observe_step
 from policies.types import Finding
 
 SUMMARY = models.table_of(models.StepSummary)
@@ -265,19 +265,22 @@ class PolicyEngine:
         state.last_incarnation = summary["incarnation"]
         state.last_step = summary["step"]
         state.series, found = observe_step(state.series, point, self._config.series)
-        findings = list(found)
         key = (summary["incarnation"], summary["attempt"])
         rows = state.pending.pop(key, None)
         if rows is None or len(rows) != summary["ranks_reported"]:
             rows = self._window_rows(connection, run_id, *key)
+        by_rank: list[Finding] = []
         if rows:
             window = rank_window(rows)
             for policy in self._rank_policies:
                 state.ranks[policy.name], judged = policy.judge(state.ranks[policy.name], window)
                 if policy.device_evidence:
                     judged = [self.add_device_evidence(run_id, f) for f in judged]
-                findings += judged
-        return findings
+                by_rank += judged
+            # A rank's spike or NaN makes this timeline's steps from here no reference for a
+            # replay of them, as the run's own does (``policies.series.noted``).
+            state.series = noted(state.series, by_rank)
+        return [*found, *by_rank]
 
     def _window_rows(
         self, connection: Connection, run_id: int, incarnation: str, attempt: int
