@@ -170,6 +170,7 @@ def test_ranks_are_folded_token_weighted(tmp_path: Path) -> None:
         ("step,loss\n1,2.0\n,2.0\n", "column 'step', row 2"),
         ("step,loss\n1.5,2.0\n", "column 'step', row 1"),
         ("step,other\n1,2\n", "none of the signals"),
+        ("Wall time,Step,Value\n1.7e9,1,2.5\n", r"map one of its columns \(Wall time, Value\) with --column SRC=loss"),
         ("step,skipped\n1,maybe\n", "column 'skipped', row 1"),
     ],
 )

@@ -169,6 +169,8 @@ def layout(columns: Sequence[str], mapping: Mapping[str, str]) -> Layout:
         notes.append("ignored columns: " + ", ".join(ignored))
     if not any(name in named for name in SIGNALS):
         hints = "".join(f"; {note}" for note in notes if note.startswith("several columns"))
+        if ignored and not hints:  # a TensorBoard scalar export: Wall time, Step, Value
+            hints = f"; map one of its columns ({', '.join(ignored)}) with --column SRC=loss"
         raise BacktestError(f"the file has none of the signals {', '.join(SIGNALS)}{hints}")
     source_of = dict(zip(named, columns, strict=True))
     sources = {name: source_of[name] for name in FIELDS if name in source_of}

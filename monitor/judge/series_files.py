@@ -1,4 +1,5 @@
-"""A recorded series file (CSV or JSONL) read in bounded memory, for ``runhealth backtest``.
+"""A recorded series file (CSV, JSONL, or a training log: ``log_lines``) read in bounded memory,
+for ``runhealth backtest``.
 
 The file is first checked as bytes, a megabyte at a time: a NUL byte means it is not a text log
 (a binary file, or the zeros a crashed writer preallocated), and a line longer than
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+
+from monitor.judge.log_lines import LOG_SUFFIXES, log_rows
 
 CHUNK_BYTES = 1 << 20
 LINE_LIMIT_BYTES = 1 << 20
@@ -41,21 +44,26 @@ class BacktestError(ValueError):
     """A file that cannot be backtested as given; one line, naming the file, or the column and row."""
 
 
+Rows = Callable[[Path], Iterator[Mapping[str, str | None]]]
+
+
 @dataclass(frozen=True)
 class TextFile:
-    """A checked file and its columns (for JSONL, every key of any line, first seen first)."""
+    """A checked file and its columns (for JSONL and logs, every key of any row, first seen first)."""
 
     path: Path
     columns: tuple[str, ...]
     separator: str | None
-    """The CSV's separator; ``None`` for JSONL."""
+    """The CSV's separator; ``None`` for a file read a row at a time (``rows``)."""
+    rows: Rows | None = None
+    """JSONL's lines, or a log's training lines (``log_lines``), as rows of text."""
 
     def batches(self, columns: Sequence[str]) -> Iterator[pl.DataFrame]:
         """The file's rows in order, a block (CSV) or ``BATCH_ROWS`` (JSONL) at a time,
         ``columns`` only, all as text."""
         with reading(self.path, self.separator, len(self.columns)):
-            if self.separator is None:
-                yield from _jsonl_batches(self.path, columns)
+            if self.rows is not None:
+                yield from _row_batches(self.rows(self.path), columns)
                 return
             for block in _csv_blocks(self.path):
                 yield pl.read_csv(block, infer_schema=False, separator=self.separator, columns=list(columns))
@@ -69,14 +77,20 @@ def open_text_file(path: Path) -> TextFile:
     if not path.is_file():  # a pipe or a device: it cannot be read twice, and may never end
         raise BacktestError(f"cannot read {path}: not a regular file")
     suffix = path.suffix.lower()
-    if suffix not in CSV_SEPARATORS and suffix not in JSONL_SUFFIXES:
-        raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file")
+    if suffix not in CSV_SEPARATORS and suffix not in JSONL_SUFFIXES and suffix not in LOG_SUFFIXES:
+        raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file, or a training log (.log, .out)")
     check_bytes(path)
     separator = CSV_SEPARATORS.get(suffix)
     with reading(path, separator, None):
         if separator is None:
-            columns = dict.fromkeys(key for row in _jsonl_rows(path) for key in row)
-            return TextFile(path, tuple(columns), None)
+            rows: Rows = _jsonl_rows if suffix in JSONL_SUFFIXES else log_rows
+            columns = dict.fromkeys(key for row in rows(path) for key in row)
+            if not columns and rows is log_rows:
+                raise BacktestError(
+                    f"{path}: no line names a step and a loss, grad norm, learning rate or loss scale "
+                    "(as nanoGPT's `iter 100: loss 2.34` or Megatron's `iteration 100/ ... | lm loss: ...`)"
+                )
+            return TextFile(path, tuple(columns), None, rows)
         schema = pl.scan_csv(path, infer_schema=False, separator=separator).collect_schema()
         return TextFile(path, tuple(schema.names()), separator)
 
@@ -187,10 +201,10 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, str | None]]:
             yield {str(key): _as_text(value) for key, value in row.items()}
 
 
-def _jsonl_batches(path: Path, columns: Sequence[str]) -> Iterator[pl.DataFrame]:
+def _row_batches(rows: Iterator[Mapping[str, str | None]], columns: Sequence[str]) -> Iterator[pl.DataFrame]:
     schema = dict.fromkeys(columns, pl.String)
-    batch: list[dict[str, str | None]] = []
-    for row in _jsonl_rows(path):
+    batch: list[Mapping[str, str | None]] = []
+    for row in rows:
         batch.append(row)
         if len(batch) == BATCH_ROWS:
             yield pl.DataFrame({name: [r.get(name) for r in batch] for name in columns}, schema=schema)
