@@ -62,8 +62,8 @@ class TextFile:
         """The file's rows in order, a block (CSV) or ``BATCH_ROWS`` (JSONL) at a time,
         ``columns`` only, all as text."""
         with reading(self.path, self.separator, len(self.columns)):
-            if self.rows is not None:
-                yield from _row_batches(self.rows(self.path), columns)
+            if self.separator is None:
+                yield from _row_batches((self.rows or _jsonl_rows)(self.path), columns)
                 return
             for block in _csv_blocks(self.path):
                 yield pl.read_csv(block, infer_schema=False, separator=self.separator, columns=list(columns))
