@@ -308,15 +308,20 @@ def _lost_weights(
     if back < config.untrained_fraction:
         return ()
     later = "" if point.step == restart.step else f" at step {point.step}"
+    # Past the untrained level (its first windows had already learned a little): say so plainly.
+    where = (
+        f"above the run's first logged level {untrained:.4g} (it had reached {level_before:.4g})"
+        if back > 1
+        else f"{back:.0%} of the way back from {level_before:.4g} to the untrained {untrained:.4g}"
+    )
     finding = _finding(
         point,
         "broken_resume",
         "loss",
         point.loss,
         level_before + config.untrained_fraction * gap,
-        f"after the restart at step {restart.step} the loss is {point.loss:.4g}{later}, {back:.0%} of "
-        f"the way back from {level_before:.4g} to the untrained {untrained:.4g}: the weights were "
-        "lost or not loaded",
+        f"after the restart at step {restart.step} the loss is {point.loss:.4g}{later}, {where}: the "
+        "weights were lost or not loaded",
         untrained=untrained,
         level_before=level_before,
         fraction=back,

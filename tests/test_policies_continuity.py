@@ -48,6 +48,19 @@ def test_loss_back_toward_untrained_is_a_broken_resume() -> None:
     assert restart(loss=6.4) == []  # 49%: a bad spike, not lost weights
 
 
+def test_the_broken_resume_says_how_far_back_the_loss_went_or_that_it_went_past_the_start() -> None:
+    def message(loss: float) -> str:
+        point = StepPoint(step=180, loss=loss, lr=1e-3, consumed=64 * 180, restart=True)
+        (finding,) = observe_continuity(trained_run(), point, 3.0, CONFIG)[1]
+        return finding.message
+
+    assert "80% of the way back from 3 to the untrained 10: the weights" in message(8.6)
+    # A fresh model can start above the run's first logged windows (they had learned a little).
+    assert "loss is 12.5, above the run's first logged level 10 (it had reached 3): the weights" in message(
+        12.5
+    )
+
+
 def test_learning_rate_back_at_warm_up_is_a_restarted_schedule() -> None:
     assert restart(lr=1e-5) == ["schedule_restarted"]
     assert restart(lr=5e-4) == []  # half: a legitimate rollback within decay
