@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from monitor.errors import ConfigError as ConfigError  # where callers have always found it
 from monitor.ingest.admission import SheddingConfig
+from monitor.ingest.postgres_copy import INLINE_ROWS
 from monitor.judge.config import CanaryServiceConfig, EngineConfig
 from monitor.observe.metrics.config import MetricsConfig
 from monitor.recovery.config import DecisionConfig
@@ -29,6 +30,12 @@ class IngestConfig:
     ``INSERT``: the same answers at a fraction of the service's CPU per record
     (``benchmarks/ingest.py --postgres`` measures both paths side by side). Off only to
     compare the two, or behind a proxy that cannot pass ``COPY``.
+
+    ``inline_rows``: with ``copy_on_postgresql``, a kind's rows in a batch up to this many go in
+    as arrays inside the one statement that moves them, not by ``COPY``: the hook's one rank a
+    post sends a few records a post, and for so few the staging table's three round trips cost
+    more than they save (the default's measurement: ``monitor.ingest.postgres_copy.INLINE_ROWS``).
+    0 sends every batch by ``COPY``.
     """
 
     max_batch_bytes: int = 32 * 1024 * 1024
@@ -36,10 +43,13 @@ class IngestConfig:
     # When batches are refused with 429 (load shedding): ``monitor.ingest.admission``.
     shedding: SheddingConfig = field(default_factory=SheddingConfig)
     copy_on_postgresql: bool = True
+    inline_rows: int = INLINE_ROWS
 
     def __post_init__(self) -> None:
         if self.max_batch_bytes < 1024 or self.max_batch_records < 1:
             raise ConfigError("IngestConfig: max_batch_bytes >= 1024 and max_batch_records >= 1")
+        if self.inline_rows < 0:
+            raise ConfigError(f"ingest.inline_rows must be >= 0, got {self.inline_rows}")
 
 
 @dataclass(frozen=True)
@@ -79,16 +89,24 @@ class ReplicaConfig:
       10 s target; measured 8.1 s for a SIGSTOPped replica).
     - ``replica_id``: this replica's name in ``/healthz`` and in PostgreSQL's session list;
       empty means ``<hostname>:<pid>``.
+    - ``gather_s`` 0.1: woken by a batch, the judge waits this long before it looks, and takes
+      in one look what arrived meanwhile. The hook's ranks post one small batch each (1,024
+      ranks every 2 s: 512 batches a second), and a look costs its reads and passes whatever it
+      finds, so a look per batch spent the service's CPU on looks, not records; at most ten
+      looks a second add at most 0.1 s of the 2 s from a faulty record to its incident.
     """
 
     poll_s: float = 0.5
     lease_s: float = 1.0
     dead_peer_s: float = 8.0
     replica_id: str = ""
+    gather_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0 or self.lease_s <= 0 or self.dead_peer_s < 2:
             raise ConfigError("ReplicaConfig: poll_s and lease_s > 0, dead_peer_s >= 2")
+        if self.gather_s < 0:
+            raise ConfigError(f"ReplicaConfig: gather_s >= 0, got {self.gather_s}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Every replica stores whatever records reach it. This thread keeps the replica's leases
 (``monitor.store.leases``): every ``lease_s`` it takes runs whose judge is gone, up to its share,
 and gives back any beyond it; every ``poll_s``, or as soon as a batch arrives here, it judges
-each run it holds from what any replica stored (``Service.judge_arrivals``). A run taken over is
+each run it holds from what any replica stored (``Service.judge_arrivals``), after
+``gather_s`` so that one look takes the batches that arrive together. A run taken over is
 judged from the store (``Service.take_over``); one given back is forgotten first, so no two
 replicas judge a run at once while both are alive. The scheduler's passes (hangs, holds,
 canaries, idle windows) cover only the runs held (``Service.judged_runs``).
@@ -75,7 +76,10 @@ class ReplicaJudge:
     def _loop(self) -> None:
         next_lease = time.monotonic() + self._config.lease_s
         while not self._stop.is_set():
-            self._service.arrived.wait(self._config.poll_s)
+            if self._service.arrived.wait(self._config.poll_s):
+                # Woken by a batch: the next ones are taken in the same look (the hook's ranks
+                # each post a few records; a look per batch is mostly the look's own cost).
+                self._stop.wait(self._config.gather_s)
             self._service.arrived.clear()
             if self._stop.is_set():
                 return

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from monitor.config import ServiceConfig
 from monitor.ingest.admission import IngestAdmission
-from monitor.ingest.batches import IngestResult, ingest_batch
+from monitor.ingest.batches import IngestResult, WorldSizes, ingest_batch
 from monitor.judge.arrivals import Arrivals
 from monitor.judge.canaries import CanaryWatch
 from monitor.judge.engine import PolicyEngine
@@ -60,6 +60,7 @@ class Service:
         )
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
+        self._world_sizes = WorldSizes()  # read once per incarnation, not once per batch
         self.counters: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
         # Batches in flight, and those refused past the bound (the API answers them 429).
@@ -104,7 +105,13 @@ class Service:
             with self._write_lock, self.engine.begin() as connection:
                 lock_run_writes(connection, run_id)  # another replica may be writing this run
                 result = ingest_batch(
-                    connection, run_id, records, self.clock(), copy=self.config.ingest.copy_on_postgresql
+                    connection,
+                    run_id,
+                    records,
+                    self.clock(),
+                    copy=self.config.ingest.copy_on_postgresql,
+                    inline_rows=self.config.ingest.inline_rows,
+                    world_sizes=self._world_sizes,
                 )
                 late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,11 @@ from monitor.store.db import (
     check_local_disk,
     create_store_engine,
     filesystem_type,
+    ping_when_idle,
     resolve_url,
     sqlite_path,
 )
-from tests.support import run_cli
+from tests.support import PostgresServer, run_cli
 
 PG_URL = "postgresql+psycopg2://monitor@db.example:5432/runhealth"
 
@@ -189,3 +191,55 @@ def test_a_driver_or_dialect_problem_is_one_store_error(
         captured = capsys.readouterr()
         assert captured.err.startswith("runhealth: error: ") and captured.err.count("\n") == 1, captured.err
         assert says in captured.err and "Traceback" not in captured.err
+
+
+# --- pooled connections to a database server ---------------------------------------------------
+
+
+def backend_pid(engine: sa.Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+
+
+def terminate(engine: sa.Engine, pid: int) -> None:
+    """End a session from another one, as a server restart or a proxy's timeout would."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.exec_driver_sql("SELECT pg_terminate_backend(%s)", (pid,))
+
+
+def test_a_connection_dropped_while_idle_is_replaced_before_use(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database()
+    engine, other = sa.create_engine(url), sa.create_engine(url)
+    ping_when_idle(engine, 0.05)
+    try:
+        dropped = backend_pid(engine)
+        terminate(other, dropped)
+        time.sleep(0.1)  # longer than idle_s in the pool: checked at checkout, and replaced
+        assert backend_pid(engine) != dropped
+    finally:
+        engine.dispose()
+        other.dispose()
+
+
+def test_a_connection_used_a_moment_ago_is_not_checked(postgres_server: PostgresServer) -> None:
+    """The trade: no round trip for a connection back in the pool under ``idle_s`` (a batch's
+    every checkout under load), so one dropped in that moment fails its use once."""
+    url = postgres_server.create_database()
+    engine, other = sa.create_engine(url), sa.create_engine(url)
+    ping_when_idle(engine, 60.0)
+    try:
+        terminate(other, backend_pid(engine))
+        with pytest.raises(sa.exc.OperationalError), engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
+        assert backend_pid(engine) > 0  # the pool connects anew after the failure
+    finally:
+        engine.dispose()
+        other.dispose()
+
+
+def test_server_stores_check_idle_connections_and_sqlite_none(tmp_path: Path) -> None:
+    postgres = create_store_engine(sa.make_url(PG_URL))
+    sqlite = create_store_engine(URL.create("sqlite", database=str(tmp_path / "s.db")))
+    assert postgres.pool.dispatch.checkout and not sqlite.pool.dispatch.checkout
+    postgres.dispose()
+    sqlite.dispose()

@@ -10,7 +10,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from monitor.ingest.batches import ConflictError, IngestResult, InvalidRecord, content_hash, ingest_batch
+from monitor.ingest.batches import (
+    ConflictError,
+    IngestResult,
+    InvalidRecord,
+    WorldSizes,
+    content_hash,
+    ingest_batch,
+)
 from monitor.ingest.schemas import RECORD_KINDS, BatchIn
 from monitor.judge.summaries import empty_summary, fold, fold_new_steps
 from monitor.store import models
@@ -236,6 +243,38 @@ def test_start_and_finish_are_idempotent_and_conflict_when_changed(store: Engine
     with pytest.raises(ConflictError):
         ingest(store, run, [finish("failed")])
     assert incarnation(store)["world_size"] == 2
+
+
+def test_a_stored_world_size_is_read_once_and_still_refuses_a_rank_past_it(
+    store: Engine, run: RunHandle
+) -> None:
+    """The service keeps the world sizes it read (``WorldSizes``): one read per incarnation
+    once its run start is stored, none kept before, and a rank past it is refused as before."""
+    known = WorldSizes()
+    reads: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "world_size IS NOT NULL" in statement:
+            reads.append(statement)
+
+    def ingest_known(records: list[dict[str, Any]]) -> IngestResult:
+        with store.begin() as connection:
+            return ingest_batch(connection, run.id, parse(records), NOW, world_sizes=known)
+
+    sa.event.listen(store, "before_cursor_execute", count)
+    try:
+        assert ingest_known([step_record(rank=5, attempt=0)]).accepted == 1  # no start stored yet
+        assert ingest_known([step_record(rank=6, attempt=0)]).accepted == 1
+        assert ingest_known([start(world_size=4)]).accepted == 1
+        assert ingest_known([step_record(rank=3, attempt=1)]).accepted == 1
+        assert len(reads) == 3
+        with pytest.raises(InvalidRecord, match="not below the declared world size 4"):
+            ingest_known([step_record(rank=4, attempt=2)])
+        assert ingest_known([step_record(rank=2, attempt=2)]).accepted == 1
+    finally:
+        sa.event.remove(store, "before_cursor_execute", count)
+    assert len(reads) == 3
+    assert known.get(run.id, INCARNATION) == 4
 
 
 # --- heartbeats ------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Writing batches by COPY on PostgreSQL (``monitor.ingest.postgres_copy``): the same answers as
 the row-by-row INSERT path on the same PostgreSQL, and as SQLite, batch by batch.
 
-Each scenario runs on three real stores side by side: an SQLite file, a PostgreSQL database
-written by INSERT (``copy=False``) and one written by COPY (the default). What ``ingest_batch``
-returns (or raises) and what the tables then hold must be the same on all three.
+Each scenario runs on four real stores side by side: an SQLite file, a PostgreSQL database
+written by INSERT (``copy=False``), one written by COPY (the default's path for a kind's rows past
+``inline_rows``, here every batch) and one written with each batch's rows as arrays inside the
+moving statement (the default's path for a few rows, here every batch). What ``ingest_batch``
+returns (or raises) and what the tables then hold must be the same on all four.
 """
 
 from __future__ import annotations
@@ -40,22 +42,24 @@ class Store:
     engine: Engine
     run_id: int
     copy: bool
+    inline_rows: int = 0
 
 
 @pytest.fixture
 def stores(postgres_server: PostgresServer, tmp_path: Path) -> Iterator[list[Store]]:
     urls = {
-        "sqlite": (URL.create("sqlite", database=str(tmp_path / "store.db")), False),
-        "postgres-insert": (postgres_server.create_database(), False),
-        "postgres-copy": (postgres_server.create_database(), True),
+        "sqlite": (URL.create("sqlite", database=str(tmp_path / "store.db")), False, 0),
+        "postgres-insert": (postgres_server.create_database(), False, 0),
+        "postgres-copy": (postgres_server.create_database(), True, 0),
+        "postgres-inline": (postgres_server.create_database(), True, 100_000),
     }
     made = []
     try:
-        for name, (url, copy) in urls.items():
+        for name, (url, copy, inline_rows) in urls.items():
             engine = create_store_engine(url)
             made.append(Store(name, engine, 0, copy))
             migrate.upgrade(engine)
-            made[-1] = Store(name, engine, make_run(engine, "run-a").id, copy)
+            made[-1] = Store(name, engine, make_run(engine, "run-a").id, copy, inline_rows)
         yield made
     finally:
         for store in made:
@@ -68,7 +72,9 @@ def outcome(store: Store, records: list[dict[str, Any]]) -> dict[str, Any]:
     batch = list(BatchIn.model_validate({"records": records}).records)
     try:
         with store.engine.begin() as connection:
-            result = ingest_batch(connection, store.run_id, batch, NOW, copy=store.copy)
+            result = ingest_batch(
+                connection, store.run_id, batch, NOW, copy=store.copy, inline_rows=store.inline_rows
+            )
             fold_new_steps(connection, store.run_id, result.new_rows.get("step", []))
     except ConflictError as conflict:
         return {"conflict": (conflict.index, conflict.kind, conflict.key)}
@@ -203,7 +209,7 @@ def test_a_missing_document_is_stored_as_the_insert_path_stores_it(stores: list[
                     "(SELECT count(*) FROM device_samples WHERE xids IS NULL)"
                 ).one()
             )
-    assert counts[0] == counts[1]
+    assert counts[0] == counts[1] == counts[2]
 
 
 def test_a_conflict_refuses_the_whole_batch_everywhere(stores: list[Store]) -> None:
@@ -277,8 +283,8 @@ def test_two_batches_in_one_transaction(stores: list[Store]) -> None:
     copied = next(store for store in stores if store.copy)
     first, second = (list(BatchIn.model_validate({"records": awkward_steps(a)}).records) for a in (0, 1))
     with copied.engine.begin() as connection:
-        assert ingest_batch(connection, copied.run_id, first, NOW).accepted == 4
-        again = ingest_batch(connection, copied.run_id, second + first[:1], NOW)
+        assert ingest_batch(connection, copied.run_id, first, NOW, inline_rows=0).accepted == 4
+        again = ingest_batch(connection, copied.run_id, second + first[:1], NOW, inline_rows=0)
     assert (again.accepted, again.duplicates) == (4, 1)
 
 
@@ -294,12 +300,13 @@ def test_copy_is_used_on_psycopg2_only(stores: list[Store]) -> None:
 
 
 def test_the_copy_path_writes_through_its_staging_table(stores: list[Store]) -> None:
-    """The COPY store made its session's staging table; the INSERT store never did."""
+    """The COPY store made its session's staging table; the INSERT store never did, nor the
+    store whose batches went in as arrays."""
     names = {}
     for store in stores[1:]:
         batch = list(BatchIn.model_validate({"records": awkward_steps(0)}).records)
         with store.engine.begin() as connection:
-            ingest_batch(connection, store.run_id, batch, NOW, copy=store.copy)
+            ingest_batch(connection, store.run_id, batch, NOW, copy=store.copy, inline_rows=store.inline_rows)
             names[store.name] = (
                 connection.exec_driver_sql(
                     "SELECT relname FROM pg_class WHERE relpersistence = 't' AND relkind = 'r'"
@@ -307,4 +314,8 @@ def test_the_copy_path_writes_through_its_staging_table(stores: list[Store]) -> 
                 .scalars()
                 .all()
             )
-    assert names == {"postgres-insert": [], "postgres-copy": ["runhealth_stage_step_records"]}
+    assert names == {
+        "postgres-insert": [],
+        "postgres-copy": ["runhealth_stage_step_records"],
+        "postgres-inline": [],
+    }

@@ -17,9 +17,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from monitor.config import ReplicaConfig
+from monitor.replicas import ReplicaJudge
 from monitor.store import audit, models
 from monitor.store.audit_keys import key_source
-from monitor.store.leases import holders
+from monitor.store.leases import LeaseChanges, holders
 from tests.collectors_support import ServeProcess
 from tests.support import cli_result, count_rows, spiky_windows
 
@@ -225,3 +227,60 @@ def test_a_stopped_judges_runs_go_to_the_other_replica_and_it_rejoins_without_th
     wait_for("the first replica back, judging nothing", lambda: health(first).get("judging") == [], 30)
     with store.connect() as connection:
         assert holders(connection) == {1: "second"}
+
+
+# --- the judge's looks ---------------------------------------------------------------------------
+
+
+class LookingService:
+    """What ``ReplicaJudge`` uses of a service, with its looks at run 1 counted."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.arrived = threading.Event()
+        self.looks = 0
+
+    def replicate(self, _leases: object) -> None:
+        pass
+
+    def judge_arrivals(self, _run_id: int) -> None:
+        self.looks += 1
+
+    def take_over(self, _run_id: int) -> None:
+        pass
+
+    def forget(self, _run_id: int) -> None:
+        pass
+
+
+class HoldsRunOne:
+    replica = "replica-a"
+
+    def held(self) -> frozenset[int]:
+        return frozenset({1})
+
+    def refresh(self, _runs: object) -> LeaseChanges:
+        return LeaseChanges()
+
+    def close(self) -> None:
+        pass
+
+
+def test_batches_that_arrive_together_are_judged_in_one_look(store: Engine) -> None:
+    """Woken by a batch, the judge gathers ``gather_s`` before it looks: forty batches posted
+    within it (the hook's ranks, a batch each) are one look, not forty; a batch later is another."""
+    service = LookingService(store)
+    config = ReplicaConfig(poll_s=30.0, lease_s=60.0, gather_s=1.0)
+    judge = ReplicaJudge(service, HoldsRunOne(), config)  # type: ignore[arg-type]
+    judge.start()
+    try:
+        for _batch in range(40):
+            service.arrived.set()
+            time.sleep(0.001)
+        wait_for("the first look", lambda: service.looks, 5.0)
+        time.sleep(0.5)
+        assert service.looks == 1
+        service.arrived.set()
+        wait_for("the second look", lambda: service.looks == 2, 5.0)
+    finally:
+        judge.stop()

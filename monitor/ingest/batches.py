@@ -138,11 +138,42 @@ def dialect_insert(connection: Connection, table: sa.Table) -> Any:
     return sqlite.insert(table)
 
 
+class WorldSizes:
+    """The world size each incarnation declared, as stored, kept between batches by the
+    service: a batch of ranked records is then checked without a read. Exact, because a stored
+    world size never changes (a run start re-sent with other content is a conflict, and no
+    incarnation is deleted); one not stored yet is not kept, and is read again next batch."""
+
+    LIMIT = 65_536
+    """Incarnations kept (a few dozen bytes each); past it the map starts again, empty."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, str], int] = {}
+
+    def get(self, run_id: int, incarnation: str) -> int | None:
+        return self._known.get((run_id, incarnation))
+
+    def learn(self, run_id: int, declared: Iterable[tuple[str, int]]) -> None:
+        if len(self._known) >= self.LIMIT:
+            self._known.clear()
+        for incarnation, world_size in declared:
+            self._known[(run_id, incarnation)] = world_size
+
+
 def ingest_batch(
-    connection: Connection, run_id: int, records: Sequence[Any], now: float, *, copy: bool = True
+    connection: Connection,
+    run_id: int,
+    records: Sequence[Any],
+    now: float,
+    *,
+    copy: bool = True,
+    inline_rows: int = postgres_copy.INLINE_ROWS,
+    world_sizes: WorldSizes | None = None,
 ) -> IngestResult:
     """Store one batch inside the caller's transaction; raise ``ConflictError`` on conflict.
-    ``copy``: use ``COPY`` where the store can (PostgreSQL through psycopg2)."""
+    ``copy``: use ``COPY`` where the store can (PostgreSQL through psycopg2), for a kind of
+    more than ``inline_rows`` rows in the batch (fewer go in as arrays, ``postgres_copy``).
+    ``world_sizes``: the world sizes stored before, kept by the caller across batches."""
     result = IngestResult()
     copy = copy and postgres_copy.available(connection)
     by_kind: dict[str, list[tuple[int, Any]]] = defaultdict(list)
@@ -150,16 +181,16 @@ def ingest_batch(
         by_kind[record.kind].append((index, record))
     if "directive_ack" in by_kind:
         _check_directives(connection, run_id, by_kind["directive_ack"])
-    _check_ranks(connection, run_id, records)
+    _check_ranks(connection, run_id, records, world_sizes or WorldSizes())
     for kind, indexed in by_kind.items():
         if kind in KEYED_TABLES:
-            stored = _ingest_keyed(connection, run_id, kind, indexed, now, result, copy)
+            stored = _ingest_keyed(connection, run_id, kind, indexed, now, result, copy, inline_rows)
         elif kind == "run_start":
             stored = _ingest_run_starts(connection, run_id, indexed, result)
         elif kind == "run_finish":
             stored = _ingest_run_finishes(connection, run_id, indexed, result)
         elif kind == "heartbeat":
-            stored = _ingest_heartbeats(connection, run_id, [r for _, r in indexed], now, copy)
+            stored = _ingest_heartbeats(connection, run_id, [r for _, r in indexed], now, copy, inline_rows)
         else:  # the schema's discriminator makes this unreachable
             raise ValueError(f"unknown record kind {kind!r}")
         result.by_kind[kind] = stored
@@ -167,7 +198,16 @@ def ingest_batch(
     return result
 
 
-def _check_ranks(connection: Connection, run_id: int, records: Sequence[Any]) -> None:
+_INCARNATIONS = models.table_of(models.Incarnation)
+# Built once (an incarnation's world size is read by every batch until its run start is stored).
+_DECLARED_WORLD_SIZES = sa.select(_INCARNATIONS.c.incarnation, _INCARNATIONS.c.world_size).where(
+    _INCARNATIONS.c.run_id == sa.bindparam("run_id"),
+    _INCARNATIONS.c.incarnation.in_(sa.bindparam("wanted", expanding=True)),
+    _INCARNATIONS.c.world_size.is_not(None),
+)
+
+
+def _check_ranks(connection: Connection, run_id: int, records: Sequence[Any], known: WorldSizes) -> None:
     """A rank at or past its incarnation's declared world size (its run start, stored or in
     this batch) is refused by name: what the engine keeps per rank stays bounded by the job."""
     declared = {r.incarnation: r.world_size for r in records if r.kind == "run_start"}
@@ -176,16 +216,17 @@ def _check_ranks(connection: Connection, run_id: int, records: Sequence[Any]) ->
         for i, r in enumerate(records)
         if getattr(r, "rank", None) is not None and hasattr(r, "incarnation")
     ]
-    wanted = {r.incarnation for _, r in ranked} - set(declared)
+    wanted = set()
+    for incarnation in {r.incarnation for _, r in ranked} - set(declared):
+        world = known.get(run_id, incarnation)
+        if world is None:
+            wanted.add(incarnation)
+        else:
+            declared[incarnation] = world
     if wanted:
-        table = models.table_of(models.Incarnation)
-        declared.update(
-            connection.execute(
-                sa.select(table.c.incarnation, table.c.world_size).where(
-                    table.c.run_id == run_id, table.c.incarnation.in_(wanted), table.c.world_size.is_not(None)
-                )
-            ).all()
-        )
+        stored = connection.execute(_DECLARED_WORLD_SIZES, {"run_id": run_id, "wanted": list(wanted)}).all()
+        known.learn(run_id, stored)
+        declared.update(stored)
     for index, record in ranked:
         world = declared.get(record.incarnation)
         if world is not None and record.rank >= world:
@@ -215,6 +256,7 @@ def _ingest_keyed(
     now: float,
     result: IngestResult,
     copy: bool,
+    inline_rows: int,
 ) -> int:
     spec = KEYED_TABLES[kind]
     fresh: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
@@ -233,7 +275,7 @@ def _ingest_keyed(
         fresh[key] = (index, row)
     rows = [row for _, row in fresh.values()]
     if copy and spec.copied:
-        not_inserted = postgres_copy.insert_new(connection, spec.table, rows)
+        not_inserted = postgres_copy.insert_new(connection, spec.table, rows, inline_rows)
     else:
         not_inserted = _insert_new_rows(connection, spec, run_id, rows)
     if not_inserted:
@@ -476,7 +518,7 @@ HEARTBEAT_UPDATES = ("node", "step", "attempt", "phase", "phase_since", "time", 
 
 
 def _ingest_heartbeats(
-    connection: Connection, run_id: int, records: list[Any], now: float, copy: bool
+    connection: Connection, run_id: int, records: list[Any], now: float, copy: bool, inline_rows: int
 ) -> int:
     """Keep each rank's newest heartbeat; an older one arriving late changes nothing."""
     latest: dict[tuple[str, int], Any] = {}
@@ -492,7 +534,7 @@ def _ingest_heartbeats(
         for record in latest.values()
     ]
     if copy:
-        postgres_copy.upsert_newer(connection, table, rows, HEARTBEAT_UPDATES, "time")
+        postgres_copy.upsert_newer(connection, table, rows, HEARTBEAT_UPDATES, "time", inline_rows)
         return len(records)
     insert = dialect_insert(connection, table)
     statement = insert.on_conflict_do_update(

@@ -23,6 +23,11 @@ RUN_INCIDENTS = 0x5248_0004
 """Attaching one run's findings to its incidents."""
 
 
+# Built once: a ``text()`` made per call is parsed for its parameters again each time (the
+# run-writes lock is taken by every batch).
+_XACT_LOCK = sa.text("SELECT pg_advisory_xact_lock(:space, :run)")
+
+
 def is_postgres(connection: Connection) -> bool:
     return connection.dialect.name == "postgresql"
 
@@ -35,9 +40,7 @@ def lock_run_writes(connection: Connection, run_id: int) -> None:
     last it saw" by id needs one run's ids committed in order, which holds only when one
     transaction at a time allocates them."""
     if is_postgres(connection):
-        connection.execute(
-            sa.text("SELECT pg_advisory_xact_lock(:space, :run)"), {"space": RUN_WRITES, "run": run_id}
-        )
+        connection.execute(_XACT_LOCK, {"space": RUN_WRITES, "run": run_id})
 
 
 def lock_audit_appends(connection: Connection) -> None:
@@ -55,6 +58,4 @@ def lock_run_incidents(connection: Connection, run_id: int) -> None:
     its next look): a finding recorded under this lock sees the incident the other one opened,
     committed, and joins it instead of opening a second."""
     if is_postgres(connection):
-        connection.execute(
-            sa.text("SELECT pg_advisory_xact_lock(:space, :run)"), {"space": RUN_INCIDENTS, "run": run_id}
-        )
+        connection.execute(_XACT_LOCK, {"space": RUN_INCIDENTS, "run": run_id})

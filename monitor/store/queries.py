@@ -54,8 +54,13 @@ def renew_run_token(connection: Connection, name: str) -> str:
     return token
 
 
+# Built once: every batch's token is checked with it, and a statement built per call costs
+# SQLAlchemy its construction and cache key again each time.
+_RUN_BY_NAME = sa.select(RUN).where(RUN.c.name == sa.bindparam("name"))
+
+
 def run_row(connection: Connection, name: str) -> Any:
-    row = connection.execute(sa.select(RUN).where(RUN.c.name == name)).first()
+    row = connection.execute(_RUN_BY_NAME, {"name": name}).first()
     if row is None:
         raise NotFound(f"no run named {name!r}")
     return row
