@@ -47,6 +47,10 @@ class RankWindow:
 
     def peer_groups(self, min_size: int = 3) -> Iterator[npt.NDArray[np.intp]]:
         """Index arrays of each data-parallel group large enough to compare within."""
+        if not self.groups.any():  # one group, every rank (no model parallelism): no search
+            if len(self.groups) >= min_size:
+                yield np.arange(len(self.groups))
+            return
         for group in np.unique(self.groups):
             members = np.flatnonzero(self.groups == group)
             if len(members) >= min_size:

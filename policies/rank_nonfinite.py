@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from policies.numerics import nonfinite_findings
 from policies.peers import RankWindow
 from policies.types import Finding, Severity, StepPoint
@@ -30,7 +33,8 @@ class RankNonfiniteConfig:
 def rank_nonfinite_findings(window: RankWindow, config: RankNonfiniteConfig) -> list[Finding]:
     """Name the ranks whose own loss per supervised token is nonfinite."""
     found = []
-    for index, rank in enumerate(window.ranks.tolist()):
+    for index in _suspects(window).tolist():
+        rank = int(window.ranks[index])
         loss_sum, tokens = float(window.loss_sum[index]), float(window.tokens[index])
         loss = loss_sum / tokens if tokens > 0 else (loss_sum if not math.isfinite(loss_sum) else None)
         point = StepPoint(step=window.step, loss=loss, incarnation=window.incarnation, attempt=window.attempt)
@@ -64,6 +68,15 @@ def rank_nonfinite_findings(window: RankWindow, config: RankNonfiniteConfig) -> 
             )
         ]
     return found
+
+
+def _suspects(window: RankWindow) -> npt.NDArray[np.intp]:
+    """The indices of the ranks whose loss may be nonfinite, in order: a loss sum that is not
+    a finite number, or positive tokens under one (a finite sum over them may overflow). The
+    rule itself is applied to these only; the others (nearly every rank of a healthy window)
+    cannot raise a finding, and a StepPoint per rank per window was most of this policy's cost."""
+    tokens = window.tokens
+    return np.flatnonzero(~np.isfinite(window.loss_sum) | ((tokens > 0) & (tokens < 1)))
 
 
 @dataclass(frozen=True)

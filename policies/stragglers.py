@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from policies.peers import PHASES, Floats, Ints, RankWindow, peer_median
+from policies.stats import finite_median
 from policies.types import Finding, Severity
 
 OWN_WALL = "own_wall"
@@ -156,7 +157,10 @@ class StragglerState:
 
 
 def _grown(array: Floats, where: Ints, size: int) -> Floats:
-    """``array`` (aligned with the old rank ids) moved to positions ``where`` of ``size``."""
+    """``array`` (aligned with the old rank ids) moved to positions ``where`` of ``size``: a
+    copy of it when no rank is new (``where`` is then every position, in order)."""
+    if len(array) == size:
+        return array.astype(np.float64)  # always a copy: the new state's arrays are its own
     grown = np.zeros(size)
     if len(array):
         grown[where] = array
@@ -198,23 +202,34 @@ def judged_times(window: RankWindow, phases: tuple[str, ...]) -> dict[str, Float
     return times
 
 
-def _step_seconds(window: RankWindow) -> float:
+def _every_rank_medians(window: RankWindow, judged: dict[str, Floats]) -> dict[str, float]:
+    """Each phase's median over every rank of the window (the judged ones, ``OWN_WALL``
+    included, and the step's wall parts), taken once per window: the step's length, the
+    phases' typical lengths and a group of every rank's center all read the same numbers."""
+    columns = {p: window.phases[p] for p in (*STEP_WALL_PARTS, *PHASES) if p in window.phases}
+    columns |= judged
+    return {phase: finite_median(values) for phase, values in columns.items()}
+
+
+def _step_seconds(window: RankWindow, medians: dict[str, float]) -> float:
     """The window's step: the sum of its phases' medians, in wall time where it was sent."""
-    every = np.arange(len(window.ranks))
-    wall = [peer_median(window.phases[p], every) for p in STEP_WALL_PARTS if p in window.phases]
+    wall = [medians[p] for p in STEP_WALL_PARTS if p in window.phases]
     if len(wall) == len(STEP_WALL_PARTS) and all(np.isfinite(wall)):
         return float(sum(wall))
-    return float(np.nansum([peer_median(window.phases[p], every) for p in PHASES if p in window.phases]))
+    return float(np.nansum([medians[p] for p in PHASES if p in window.phases]))
 
 
 def _typical(
-    previous: dict[str, float], window: RankWindow, judged: dict[str, Floats], alpha: float
+    previous: dict[str, float],
+    window: RankWindow,
+    judged: dict[str, Floats],
+    medians: dict[str, float],
+    alpha: float,
 ) -> dict[str, float]:
     """``StragglerState.typical`` after this window (a phase not timed in it keeps its value)."""
     typical = dict(previous)
-    every = np.arange(len(window.ranks))
-    seconds = {phase: peer_median(times, every) for phase, times in judged.items()}
-    seconds[STEP] = _step_seconds(window)
+    seconds = {phase: medians[phase] for phase in judged}
+    seconds[STEP] = _step_seconds(window, medians)
     for phase, value in seconds.items():
         if value > 0 and math.isfinite(value):
             log = math.log(value)
@@ -239,32 +254,36 @@ def observe_stragglers(
     smoothed = {p: _grown(state.smoothed.get(p, np.zeros(0)), moved, size) for p in config.phases}
     observed = _grown(state.observed, moved, size)
     judged = judged_times(window, config.phases)
-    typical = _typical(state.typical, window, judged, config.alpha)
+    medians = _every_rank_medians(window, judged)
+    typical = _typical(state.typical, window, judged, medians, config.alpha)
     long_enough = _judged_phases(typical, config)
     for members in window.peer_groups(config.min_peers):
         ranks = position[members]
+        every_rank = len(members) == len(window.ranks)  # members is then every index, in order
         for phase, seconds in judged.items():
-            times = seconds[members]
-            center = peer_median(seconds, members)
-            if phase not in long_enough or not center > 0:
+            if phase not in long_enough:
                 continue
+            center = medians[phase] if every_rank else peer_median(seconds, members)
+            if not center > 0:
+                continue
+            times = seconds[members]
             ok = np.isfinite(times) & (times > 0)
-            ratio = np.clip(np.log(times[ok] / center), -config.clip, config.clip)
+            # np.clip's own steps, without its wrapper: max with the floor, then min with the cap.
+            ratio = np.minimum(np.maximum(np.log(times[ok] / center), -config.clip), config.clip)
             previous = smoothed[phase][ranks[ok]]
             smoothed[phase][ranks[ok]] = previous + config.alpha * (ratio - previous)
         observed[ranks] += 1
     limits = {p: config.thresholds(p, host_timed=OWN_WALL in typical) for p in smoothed}
-    scores = _nearest_thresholds(smoothed, observed, limits, config.min_windows, ids)  # by position
+    nearest = _Nearest.of(smoothed, observed, limits, config.min_windows, ids)
     above, below = _grown(state.above, moved, size), _grown(state.below, moved, size)
-    over = {i for i, s in scores.items() if s.ratio >= limits[s.phase][0]}
     was_flagged = {int(i) for i in np.searchsorted(ids, sorted(state.flagged))}
-    slow = _persisting(above, over, config.persist)
-    quiet = {i for i in was_flagged if i in scores and _quiet(smoothed, i, limits)}
+    slow = _persisting(above, nearest.over(), config.persist)
+    quiet = {i for i in was_flagged if nearest.judged(i) and _quiet(smoothed, i, limits)}
     recovered = _persisting(below, quiet, config.recover_windows) & was_flagged
     flagged = (was_flagged - recovered) | slow
     below[list(recovered)] = 0  # counted again from the next episode
-    found = [_finding(window, scores[i], limits) for i in sorted(slow - was_flagged)]
-    found += [_recovered(window, scores[i]) for i in sorted(recovered)]
+    found = [_finding(window, nearest.score(i), limits) for i in sorted(slow - was_flagged)]
+    found += [_recovered(window, nearest.score(i)) for i in sorted(recovered)]
     flagged_ids = frozenset(int(ids[i]) for i in flagged)
     return StragglerState(smoothed, observed, above, flagged_ids, below, ids, typical), tuple(found)
 
@@ -272,17 +291,55 @@ def observe_stragglers(
 Limits = dict[str, tuple[float, float]]  # phase -> (flagging, recovery) ratio
 
 
-def _nearest_thresholds(
-    smoothed: dict[str, Floats], observed: Floats, limits: Limits, min_windows: int, ids: Ints
-) -> dict[int, StragglerScore]:
-    """Each judged rank's phase furthest past (or nearest to) its own flagging threshold, by
-    its position in ``ids``."""
-    logs = {p: math.log(limits[p][0]) for p in smoothed}
-    scores = {}
-    for at in np.flatnonzero(observed >= min_windows):
-        phase = max(smoothed, key=lambda p: smoothed[p][at] - logs[p])
-        scores[int(at)] = StragglerScore(int(ids[at]), phase, math.exp(float(smoothed[phase][at])))
-    return scores
+# How far below its flagging threshold (in log units) a rank's worst phase is still checked
+# exactly, with ``math.exp``: far wider than the rounding of a log or an exp (~1e-16).
+_NEAR = 1e-9
+
+
+@dataclass(frozen=True)
+class _Nearest:
+    """Each judged rank's phase furthest past (or nearest to) its own flagging threshold, for
+    every rank at once: the judged ranks' positions in ``ids`` (sorted), and each one's phase
+    (an index into ``phases``) and margin (its smoothed log-ratio less the threshold's log)."""
+
+    smoothed: dict[str, Floats]
+    limits: Limits
+    ids: Ints
+    phases: tuple[str, ...]
+    positions: Ints
+    worst: Ints
+    margin: Floats
+
+    @classmethod
+    def of(
+        cls, smoothed: dict[str, Floats], observed: Floats, limits: Limits, min_windows: int, ids: Ints
+    ) -> _Nearest:
+        phases = tuple(smoothed)
+        positions = np.flatnonzero(observed >= min_windows)
+        if not len(positions):  # before min_windows: nobody is judged yet
+            return cls(smoothed, limits, ids, phases, positions, positions, np.zeros(0))
+        margins = np.array([smoothed[p][positions] - math.log(limits[p][0]) for p in phases])
+        # argmax takes the first phase of equal margins, as max() over the phases does (the
+        # smoothed values are finite: only finite log-ratios are ever folded in).
+        worst = np.argmax(margins, axis=0)
+        margin = margins[worst, np.arange(len(positions))]
+        return cls(smoothed, limits, ids, phases, positions, worst, margin)
+
+    def judged(self, at: int) -> bool:
+        """Whether the rank at position ``at`` has been observed long enough to be judged."""
+        index = int(np.searchsorted(self.positions, at))
+        return index < len(self.positions) and int(self.positions[index]) == at
+
+    def score(self, at: int) -> StragglerScore:
+        """The judged rank at position ``at``: its worst phase and that phase's ratio."""
+        phase = self.phases[int(self.worst[int(np.searchsorted(self.positions, at))])]
+        return StragglerScore(int(self.ids[at]), phase, math.exp(float(self.smoothed[phase][at])))
+
+    def over(self) -> set[int]:
+        """The positions of the ranks at or above their worst phase's flagging ratio: the ratio
+        (not its log) against the threshold, as before, for the ranks near it only."""
+        near = self.positions[self.margin >= -_NEAR].tolist()
+        return {at for at in near if (s := self.score(at)).ratio >= self.limits[s.phase][0]}
 
 
 def _quiet(smoothed: dict[str, Floats], rank: int, limits: Limits) -> bool:

@@ -4,10 +4,21 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from monitor.judge.readings import rank_window
+from policies.numerics import nonfinite_findings
 from policies.rank_loss import RankLossConfig, RankLossState, observe_rank_loss
-from policies.stragglers import StragglerConfig, StragglerState, observe_stragglers, straggler_scores
+from policies.rank_nonfinite import RankNonfiniteConfig, rank_nonfinite_findings
+from policies.stragglers import (
+    StragglerConfig,
+    StragglerState,
+    _Nearest,
+    observe_stragglers,
+    straggler_scores,
+)
+from policies.types import StepPoint
 
 
 def records(
@@ -270,3 +281,43 @@ def test_missing_timings_are_skipped() -> None:
     state, found = run_stragglers(windows)
     assert all(f == () for f in found)
     assert not math.isnan(float(np.sum(state.smoothed["forward"])))
+
+
+rank_values = st.sampled_from(
+    [None, 0.0, -0.0, 1.0, 250.0, -3.0, math.nan, math.inf, -math.inf, 1e308, 1e-308]
+)
+
+
+@settings(database=None)
+@given(st.lists(st.tuples(rank_values, rank_values), min_size=1, max_size=12))
+def test_the_nonfinite_ranks_are_those_the_rule_names_rank_by_rank(values: list[tuple]) -> None:
+    """Only the ranks whose loss may be nonfinite are put to the rule: the same ranks as when
+    every rank's own loss is put to it."""
+    rows = [
+        {"rank": r, "step": 3, "attempt": 3, "incarnation": "i", "loss_sum": loss_sum, "tokens": tokens}
+        for r, (loss_sum, tokens) in enumerate(values)
+    ]
+    named = {f.rank for f in rank_nonfinite_findings(rank_window(rows), RankNonfiniteConfig(100))}
+    expected = set()
+    for rank, (loss_sum, tokens) in enumerate(values):
+        total, count = (math.nan if v is None else v for v in (loss_sum, tokens))
+        loss = total / count if count > 0 else (total if not math.isfinite(total) else None)
+        if nonfinite_findings(StepPoint(step=3, loss=loss)):
+            expected.add(rank)
+    assert named == expected
+
+
+def test_a_rank_is_over_its_threshold_by_its_ratio_not_its_log() -> None:
+    """A rank's worst phase is compared with its threshold as a ratio (exp of the smoothed
+    log), also where the log lies within rounding of the threshold's log."""
+    limits = {"forward": (1.09, 1.05), "own_wall": (1.35, 1.2)}
+    edge = math.log(1.09)
+    logs = [float(np.nextafter(edge, -1)), edge, float(np.nextafter(edge, 1)), edge - 1e-12, edge + 1e-12]
+    logs += [0.0, 0.5, -0.2]
+    smoothed = {"forward": np.array(logs), "own_wall": np.full(len(logs), math.log(1.35) - 0.01)}
+    observed = np.array([20.0] * (len(logs) - 1) + [19.0])  # the last not judged yet
+    nearest = _Nearest.of(smoothed, observed, limits, 20, np.arange(100, 100 + len(logs)))
+    expected = {i for i, v in enumerate(logs[:-1]) if math.exp(v) >= 1.09}
+    assert nearest.over() == expected
+    assert nearest.score(5).phase == "own_wall" and nearest.score(6).phase == "forward"
+    assert nearest.score(6).rank == 106 and not nearest.judged(len(logs) - 1)

@@ -16,6 +16,7 @@ from policies.stats import (
     array_median,
     array_median_mad,
     finite_median,
+    float_median,
     mad,
     median,
     median_of_sorted,
@@ -74,3 +75,21 @@ def test_robust_z_with_no_spread_is_infinite() -> None:
 def test_finite_median_skips_what_was_not_logged() -> None:
     assert finite_median(np.array([np.nan, 1.0, 3.0, np.inf])) == 2.0
     assert same(finite_median(np.array([np.nan])), math.nan)
+
+
+odd_values = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, 1e308, -1e308, 5e-324, 1.0])
+
+
+@settings(database=None)
+@given(st.lists(st.one_of(reals, odd_values), min_size=1, max_size=40))
+def test_float_median_is_numpys_median_bit_for_bit(values: list[float]) -> None:
+    # Signed zeros included: numpy sums the middle values from 0.0, so a median of -0.0 is 0.0.
+    array = np.array(values)
+    with np.errstate(all="ignore"):  # inf - inf, 1e308 + 1e308 in numpy's mean
+        expected = float(np.median(array))
+    assert repr(float_median(array)) == repr(expected)
+
+
+def test_float_median_of_other_arrays_is_numpys() -> None:
+    assert float_median(np.array([1, 2, 4, 9])) == 3.0
+    assert float_median(np.array([[3.0, 1.0], [2.0, 5.0]])) == 2.5

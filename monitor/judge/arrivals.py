@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from monitor.judge.readings import RANK_FIELDS
 from monitor.store import models
 
 STEP = models.table_of(models.StepRecord)
@@ -89,14 +90,13 @@ class Arrivals:
         marks = self._marks[run_id]
         arrived = Arrived()
         for kind, table in TABLES.items():
-            rows = [
-                dict(row)
-                for row in connection.execute(
-                    sa.select(table)
-                    .where(table.c.run_id == run_id, table.c.id > marks.newest[kind])
-                    .order_by(table.c.id)
-                ).mappings()
-            ]
+            result = connection.execute(
+                sa.select(*_columns(kind, table))
+                .where(table.c.run_id == run_id, table.c.id > marks.newest[kind])
+                .order_by(table.c.id)
+            )
+            names = tuple(result.keys())
+            rows = [dict(zip(names, row, strict=True)) for row in result]  # not a mapping per row
             if rows:
                 marks.newest[kind] = rows[-1]["id"]
                 arrived.new_rows[kind] = rows
@@ -106,6 +106,15 @@ class Arrivals:
         arrived.finished = bool(finished - marks.finished)
         marks.started, marks.finished = started, finished
         return arrived
+
+
+def _columns(kind: str, table: sa.Table) -> list[sa.ColumnElement[Any]]:
+    """The columns read of a kind's new rows: of a step record, its id and the fields its
+    window is judged by (``readings.RANK_FIELDS``, what the engine reads of a window from the
+    store), a third fewer than all; of the other kinds, every column."""
+    if kind == "step":
+        return [table.c.id, *(table.c[name] for name in RANK_FIELDS)]
+    return list(table.columns)
 
 
 def _late(connection: Connection, run_id: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ takes a record or a row mapping and tolerates missing keys: a reading is what wa
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from policies.continuity import ResumeFacts
 from policies.devices import DeviceReading, LinkReading, XidEvent
-from policies.peers import PHASES, WALL_PHASES, Floats, RankWindow
+from policies.peers import PHASES, WALL_PHASES, RankWindow
 from policies.types import StepPoint
 
 Record = Mapping[str, Any]
@@ -88,28 +89,45 @@ def link_reading(record: Record) -> LinkReading:
     )
 
 
+# A window's fields, read from each record at once; the float columns last.
+_FLOAT_COLUMNS = ("loss_sum", "tokens", *(f"{phase}_s" for phase in (*PHASES, *WALL_PHASES)))
+_WINDOW_FIELDS = ("rank", "step", "tp_rank", "pp_rank", "cp_rank", "node", "device_uuid", "sample_ids")
+_window_fields = operator.itemgetter(*_WINDOW_FIELDS, *_FLOAT_COLUMNS)
+_rank = operator.itemgetter("rank")
+
+
+def _window_values(records: Sequence[Record]) -> list[tuple[Any, ...]]:
+    """Each record's window fields in order, None for one it lacks (a rank and a step it must
+    have): one lookup per record (rows as stored have every field), where a lookup per field
+    per record was most of the cost."""
+    try:
+        return [_window_fields(record) for record in records]
+    except KeyError:
+        optional = (*_WINDOW_FIELDS[2:], *_FLOAT_COLUMNS)
+        return [(r["rank"], r["step"], *(r.get(name) for name in optional)) for r in records]
+
+
 def rank_window(records: Sequence[Record]) -> RankWindow:
     """The step records (or rows) of one window, every rank's values side by side."""
-    ordered = sorted(records, key=lambda r: r["rank"])
-    coordinates = [(r.get("tp_rank") or 0, r.get("pp_rank") or 0, r.get("cp_rank") or 0) for r in ordered]
-    group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
+    ordered = sorted(records, key=_rank)
     first = ordered[0]
-
-    def column(name: str) -> Floats:
-        return np.array([np.nan if r.get(name) is None else r[name] for r in ordered], dtype=np.float64)
-
+    ranks, steps, tp, pp, cp, nodes, devices, sample_ids, *floats = zip(*_window_values(ordered), strict=True)
+    coordinates = [(t or 0, p or 0, c or 0) for t, p, c in zip(tp, pp, cp, strict=True)]
+    group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
+    # A row per float field (None, not sent, is NaN): each column is a contiguous row of it.
+    loss_sum, tokens, *phases = np.array(floats, dtype=np.float64)
     return RankWindow(
-        step=max(r["step"] for r in ordered),
+        step=max(steps),
         attempt=first.get("attempt"),
         incarnation=first.get("incarnation", ""),
-        ranks=np.array([r["rank"] for r in ordered], dtype=np.int64),
+        ranks=np.array(ranks, dtype=np.int64),
         groups=np.array([group_ids[c] for c in coordinates], dtype=np.int64),
-        loss_sum=column("loss_sum"),
-        tokens=column("tokens"),
-        phases={phase: column(f"{phase}_s") for phase in (*PHASES, *WALL_PHASES)},
-        nodes=tuple(r.get("node") for r in ordered),
-        devices=tuple(r.get("device_uuid") for r in ordered),
-        sample_ids=tuple(r.get("sample_ids") for r in ordered),
+        loss_sum=loss_sum,
+        tokens=tokens,
+        phases=dict(zip((*PHASES, *WALL_PHASES), phases, strict=True)),
+        nodes=nodes,
+        devices=devices,
+        sample_ids=sample_ids,
     )
 
 
