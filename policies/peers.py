@@ -44,6 +44,10 @@ class RankWindow:
     nodes: tuple[str | None, ...]
     devices: tuple[str | None, ...]
     sample_ids: tuple[Sequence[Any] | None, ...]
+    loss_unlogged: Ints | None = None
+    """Indices of the ranks that logged no loss at all (a window closed by a crash before its
+    first ``rh.loss``): their NaN ``loss_sum`` is "not logged", not a nonfinite loss. ``None``:
+    every NaN is a logged one."""
 
     def peer_groups(self, min_size: int = 3) -> Iterator[npt.NDArray[np.intp]]:
         """Index arrays of each data-parallel group large enough to compare within."""

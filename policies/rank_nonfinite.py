@@ -76,7 +76,10 @@ def _suspects(window: RankWindow) -> npt.NDArray[np.intp]:
     rule itself is applied to these only; the others (nearly every rank of a healthy window)
     cannot raise a finding, and a StepPoint per rank per window was most of this policy's cost."""
     tokens = window.tokens
-    return np.flatnonzero(~np.isfinite(window.loss_sum) | ((tokens > 0) & (tokens < 1)))
+    suspects = ~np.isfinite(window.loss_sum) | ((tokens > 0) & (tokens < 1))
+    if window.loss_unlogged is not None:
+        suspects[window.loss_unlogged] = False  # no loss logged: nothing to call nonfinite
+    return np.flatnonzero(suspects)
 
 
 @dataclass(frozen=True)

@@ -300,11 +300,22 @@ def test_the_nonfinite_ranks_are_those_the_rule_names_rank_by_rank(values: list[
     named = {f.rank for f in rank_nonfinite_findings(rank_window(rows), RankNonfiniteConfig(100))}
     expected = set()
     for rank, (loss_sum, tokens) in enumerate(values):
+        if loss_sum is None:
+            continue  # no loss logged on this rank: nothing to call nonfinite
         total, count = (math.nan if v is None else v for v in (loss_sum, tokens))
         loss = total / count if count > 0 else (total if not math.isfinite(total) else None)
         if nonfinite_findings(StepPoint(step=3, loss=loss)):
             expected.add(rank)
     assert named == expected
+
+
+def test_a_window_closed_by_a_crash_before_its_loss_is_no_nan() -> None:
+    """A trainer that raised inside a window (before ``rh.loss``) closes it at exit with no loss
+    and no tokens: not logged, not a NaN. A NaN it did log is named."""
+    crashed = {"rank": 0, "step": 30, "attempt": 31, "incarnation": "i", "loss_sum": None, "tokens": None}
+    assert rank_nonfinite_findings(rank_window([crashed]), RankNonfiniteConfig()) == []
+    logged = [{**crashed, "rank": 1, "loss_sum": math.nan}, crashed]
+    assert [f.rank for f in rank_nonfinite_findings(rank_window(logged), RankNonfiniteConfig())] == [1]
 
 
 def test_a_rank_is_over_its_threshold_by_its_ratio_not_its_log() -> None:

@@ -116,6 +116,7 @@ def rank_window(records: Sequence[Record]) -> RankWindow:
     group_ids = {coordinate: index for index, coordinate in enumerate(sorted(set(coordinates)))}
     # A row per float field (None, not sent, is NaN): each column is a contiguous row of it.
     loss_sum, tokens, *phases = np.array(floats, dtype=np.float64)
+    unlogged = [index for index, value in enumerate(floats[0]) if value is None]
     return RankWindow(
         step=max(steps),
         attempt=first.get("attempt"),
@@ -128,6 +129,7 @@ def rank_window(records: Sequence[Record]) -> RankWindow:
         nodes=nodes,
         devices=devices,
         sample_ids=sample_ids,
+        loss_unlogged=np.array(unlogged, dtype=np.int64) if unlogged else None,
     )
 
 
