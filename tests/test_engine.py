@@ -172,6 +172,49 @@ def test_consecutive_spikes_are_one_incident_and_late_records_open_nothing_new(t
     assert late > 0
 
 
+def _late_findings(tmp_path: Path, name: str, *, forget_kept: bool, stored_aside: bool) -> tuple[list, int]:
+    """Ranks 0 and 1 judged without ranks 2 and 3, then rank 2's records arriving late (a NaN loss at
+    step 36): the findings stored, and how many windows were read back from the store for it."""
+    clock = Clock()
+    service, run_id = make_service(tmp_path / f"{name}.db", clock)
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 4}])
+    post(service, run_id, steps(range(1, 41), (0, 1)))
+    clock.now += 60.0
+    service.judge_waiting()
+    if forget_kept:
+        service.policies._states[run_id].judged_rows.clear()
+    if stored_aside:  # a record the judge never saw, stored under window 38 (rank 3)
+        with service.engine.begin() as connection:
+            ingest_batch(
+                connection,
+                run_id,
+                BatchIn.model_validate_json(json.dumps({"records": steps(range(38, 39), (3,))})).records,
+                clock(),
+            )
+    reads: list[tuple[str, int]] = []
+    window_rows = service.policies._window_rows
+    service.policies._window_rows = lambda c, r, i, a: reads.append((i, a)) or window_rows(c, r, i, a)  # type: ignore[method-assign]
+    post(service, run_id, steps(range(35, 41), (2,), loss={36: float("nan")}))
+    table = models.FindingRow.__table__
+    with service.engine.connect() as connection:
+        found = connection.execute(
+            sa.select(table.c.kind, table.c.step, table.c.rank, table.c.message).order_by(table.c.id)
+        ).all()
+    return [tuple(row) for row in found], len(reads)
+
+
+def test_late_records_are_judged_with_the_records_their_window_was_judged_with(tmp_path: Path) -> None:
+    """The window a late record is judged against is the judged one plus it, not read back from
+    the store, unless the store holds a record of the window that neither is."""
+    kept, kept_reads = _late_findings(tmp_path, "kept", forget_kept=False, stored_aside=False)
+    read, read_reads = _late_findings(tmp_path, "read", forget_kept=True, stored_aside=False)
+    assert kept == read
+    assert any(kind == "nonfinite" and step == 36 and rank == 2 for kind, step, rank, _ in kept), kept
+    assert (kept_reads, read_reads) == (0, 6)
+    _, aside_reads = _late_findings(tmp_path, "aside", forget_kept=False, stored_aside=True)
+    assert aside_reads == 1  # window 38 counted one record more than it knows: read
+
+
 def test_hook_settings_are_read_only_when_usable() -> None:
     from monitor.store.hook_settings import stated
 

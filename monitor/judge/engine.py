@@ -40,6 +40,18 @@ from policies.types import Finding
 SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
 INCARNATION = models.table_of(models.Incarnation)
+# A window's step records as the per-rank rules read them (``readings.RANK_FIELDS``), built once:
+# all of them, or (a replica's judge) those up to the newest it has read.
+_IN_WINDOW = (
+    STEP.c.run_id == sa.bindparam("run_id"),
+    STEP.c.incarnation == sa.bindparam("incarnation"),
+    STEP.c.attempt == sa.bindparam("attempt"),
+)
+_UNDER = STEP.c.id <= sa.bindparam("ceiling")
+_WINDOW_ROWS = sa.select(*[STEP.c[name] for name in RANK_FIELDS]).where(*_IN_WINDOW)
+_WINDOW_ROWS_UNDER = _WINDOW_ROWS.where(_UNDER)
+_WINDOW_COUNT = sa.select(sa.func.count()).select_from(STEP).where(*_IN_WINDOW)
+_WINDOW_COUNT_UNDER = _WINDOW_COUNT.where(_UNDER)
 
 
 class _JudgedElsewhere(Exception):
@@ -58,6 +70,8 @@ class _RunState:
     pending: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
     # When this service first saw each window still unjudged (its clock): see ``policies.readiness``.
     arrived: dict[tuple[str, int], float] = field(default_factory=dict)
+    # The records each of the newest judged windows was judged with (and its late ones since).
+    judged_rows: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
     # Incarnations whose batch was compared with the one before (``monitor.judge.batches``).
     batch_judged: set[str] = field(default_factory=set)
 
@@ -180,11 +194,12 @@ class PolicyEngine:
         with self._lock, self._engine.begin() as connection:
             state = self._state(connection, run_id)
             findings: list[Finding] = []
-            windows: dict[tuple[str, int], set[int]] = {}
+            windows: dict[tuple[str, int], list[dict[str, Any]]] = {}
             for row in rows:
-                windows.setdefault((row["incarnation"], row["attempt"]), set()).add(row["rank"])
-            for (incarnation, attempt), ranks in windows.items():
-                window = rank_window(self._window_rows(connection, run_id, incarnation, attempt))
+                windows.setdefault((row["incarnation"], row["attempt"]), []).append(row)
+            for key, late in windows.items():
+                window = rank_window(self._late_window(connection, run_id, state, key, late))
+                ranks = {row["rank"] for row in late}
                 for policy in self._rank_policies:
                     if policy.late:  # judged with the state as it stands: a late record does not move it
                         _, found = policy.judge(state.ranks[policy.name], window)
@@ -271,6 +286,7 @@ class PolicyEngine:
             rows = self._window_rows(connection, run_id, *key)
         by_rank: list[Finding] = []
         if rows:
+            self._keep_judged(state, key, rows)
             window = rank_window(rows)
             for policy in self._rank_policies:
                 state.ranks[policy.name], judged = policy.judge(state.ranks[policy.name], window)
@@ -282,16 +298,54 @@ class PolicyEngine:
             state.series = noted(state.series, by_rank)
         return [*found, *by_rank]
 
+    def _late_window(
+        self,
+        connection: Connection,
+        run_id: int,
+        state: _RunState,
+        key: tuple[str, int],
+        late: list[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """A window's records with its late ones: those it was judged with plus the late, when
+        the store holds exactly that many (both are stored records of it, none in both: the late
+        were stored after it was judged), else read from the store. Reading 1,024 rows per look
+        was most of a replica's judging with ranks posting after their window (fleet.py)."""
+        kept = state.judged_rows.pop(key, None)
+        if kept is not None and len(kept) + len(late) == self._window_count(connection, run_id, *key):
+            rows = kept + late
+        else:
+            rows = self._window_rows(connection, run_id, *key)
+        self._keep_judged(state, key, rows)
+        return rows
+
+    def _keep_judged(self, state: _RunState, key: tuple[str, int], rows: list[dict[str, Any]]) -> None:
+        """Keep a judged window's records, the newest windows up to ``late_rows_kept`` records."""
+        state.judged_rows[key] = rows
+        state.judged_rows.move_to_end(key)
+        kept = sum(len(r) for r in state.judged_rows.values())
+        while kept > self._config.late_rows_kept:
+            kept -= len(state.judged_rows.popitem(last=False)[1])
+
+    def _window_count(self, connection: Connection, run_id: int, incarnation: str, attempt: int) -> int:
+        query, params = self._in_window(run_id, incarnation, attempt, _WINDOW_COUNT, _WINDOW_COUNT_UNDER)
+        return int(connection.execute(query, params).scalar_one())
+
     def _window_rows(
         self, connection: Connection, run_id: int, incarnation: str, attempt: int
     ) -> list[dict[str, Any]]:
-        query = sa.select(*[STEP.c[name] for name in RANK_FIELDS]).where(
-            STEP.c.run_id == run_id, STEP.c.incarnation == incarnation, STEP.c.attempt == attempt
-        )
+        query, params = self._in_window(run_id, incarnation, attempt, _WINDOW_ROWS, _WINDOW_ROWS_UNDER)
+        # Rows as dicts from plain tuples: a RowMapping per row converted by dict() was most of
+        # the cost of a late record's look at its 1,024-rank window (py-spy, fleet.py --ranks 1024).
+        return [dict(zip(RANK_FIELDS, row, strict=True)) for row in connection.execute(query, params)]
+
+    def _in_window(
+        self, run_id: int, incarnation: str, attempt: int, whole: sa.Select[Any], under: sa.Select[Any]
+    ) -> tuple[sa.Select[Any], dict[str, Any]]:
+        """A window's statement and parameters: ``under`` the newest step record a replica's
+        judge has read, else ``whole``."""
+        params: dict[str, Any] = {"run_id": run_id, "incarnation": incarnation, "attempt": attempt}
         ceiling = self.step_ceiling(run_id)
-        if ceiling is not None:
-            query = query.where(STEP.c.id <= ceiling)
-        return [dict(row) for row in connection.execute(query).mappings()]
+        return (whole, params) if ceiling is None else (under, params | {"ceiling": ceiling})
 
     def waiting_runs(self, among: Collection[int] | None = None) -> list[int]:
         """Runs with windows not judged yet (of ``among``, when given)."""
