@@ -33,10 +33,15 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     data = next(p for p in result["proposals"] if p["verdict"] == "data")
     assert data["status"] == "done" and data["skip_batches"] == ["r1-b149"] and data["target"]["step"] == 125
     assert data["decided_by"].startswith("local:")  # approved at the CLI through the discovery file
-    hardware = next(p for p in result["proposals"] if p["verdict"] == "hardware")
-    assert hardware["quarantine"]["node"] == "node-2" and hardware["status"] == "pending"
+    # The canary's proposal may be re-issued once: when the checkpoint the canary ran at lands
+    # its manifest after the first proposal, that newer target supersedes it (seen at load 5-10).
+    hardware = [p for p in result["proposals"] if p["verdict"] == "hardware"]
+    live = [p for p in hardware if p["status"] != "superseded"]
+    assert len(live) == 1 and len(hardware) <= 2, hardware
+    assert live[0]["quarantine"]["node"] == "node-2" and live[0]["status"] == "pending"
+    assert all(p["quarantine"]["node"] == "node-2" for p in hardware)
     assert result["audit_ok"]
-    # About 35 s on a quiet machine (README); the bound leaves room for a loaded one (two busy
+    # About a minute on this machine (README); the bound leaves room for a loaded one (two busy
     # processes beside the suite) and still catches a demo that waits something out, as a hold
     # that nothing released would (its timeout is 600 s).
     assert result["seconds"] < 300
