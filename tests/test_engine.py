@@ -215,6 +215,20 @@ def test_late_records_are_judged_with_the_records_their_window_was_judged_with(t
     assert aside_reads == 1  # window 38 counted one record more than it knows: read
 
 
+def test_judged_windows_kept_for_late_records_are_bounded_by_windows_and_records(tmp_path: Path) -> None:
+    """A small run keeps its newest 32 judged windows, not 32,768 records' worth of them (8,192
+    windows of 4 ranks); a large one is bounded by records."""
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 2}])
+    post(service, run_id, steps(range(1, 101), (0, 1)))
+    kept = service.policies._states[run_id].judged_rows
+    config = service.policies._config
+    assert (config.late_windows_kept, config.late_rows_kept) == (32, 32_768)
+    assert [attempt for _, attempt in kept] == judged(service)[-32:]
+    assert all(len(rows) == 2 for rows in kept.values())
+
+
 def test_hook_settings_are_read_only_when_usable() -> None:
     from monitor.store.hook_settings import stated
 

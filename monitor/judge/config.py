@@ -27,11 +27,14 @@ class EngineConfig:
 
     ``cached_windows``: rank records of unjudged windows kept in memory per run, so judging
     does not read back what ingest just wrote (1,024 windows; beyond that, read from the store).
-    ``late_rows_kept``: rank records of the newest judged windows kept in memory per run, for
-    the records that arrive after their window was judged (late), so their window is not read
-    back from the store per look (32,768: 32 windows of 1,024 ranks, two of 16,384; a record
-    kept is about 1.1 KB, so about 36 MB a run; fleet.py --ranks 1024 sent 9,569 of 13,910 step
-    records after their window at load 8, about ten windows behind). Older windows are read.
+    ``late_windows_kept`` and ``late_rows_kept``: the newest judged windows kept in memory per
+    run, at most that many windows and that many rank records, for the records that arrive
+    after their window was judged (late), so their window is not read back from the store per
+    look. fleet.py --ranks 1024 sent 9,569 of 13,910 step records after their window at load 8,
+    about ten windows behind: 32 windows cover that three times over. 32,768 records are 32
+    windows of 1,024 ranks, two of 16,384; a record kept is about 1.1 KB, so at most about
+    36 MB for a run that large, and 32 windows of a 4-rank run about 140 KB. Older windows are
+    read from the store.
     ``judge_chunk``: windows judged per store transaction (256: about a tenth of a second of
     work, so a backlog never holds SQLite's write lock near its 10 s busy timeout).
     """
@@ -47,14 +50,15 @@ class EngineConfig:
     checkpoint_interval: IntervalConfig = field(default_factory=IntervalConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     cached_windows: int = 1024
+    late_windows_kept: int = 32
     late_rows_kept: int = 32_768
     judge_chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.cached_windows < 1 or self.judge_chunk < 1:
             raise ValueError("EngineConfig: cached_windows and judge_chunk must be >= 1")
-        if self.late_rows_kept < 0:
-            raise ValueError("EngineConfig: late_rows_kept must be >= 0")
+        if self.late_rows_kept < 0 or self.late_windows_kept < 0:
+            raise ValueError("EngineConfig: late_windows_kept and late_rows_kept must be >= 0")
 
 
 @dataclass(frozen=True)

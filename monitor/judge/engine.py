@@ -319,11 +319,15 @@ class PolicyEngine:
         return rows
 
     def _keep_judged(self, state: _RunState, key: tuple[str, int], rows: list[dict[str, Any]]) -> None:
-        """Keep a judged window's records, the newest windows up to ``late_rows_kept`` records."""
+        """Keep a judged window's records: the newest ``late_windows_kept`` windows, at most
+        ``late_rows_kept`` records in all."""
         state.judged_rows[key] = rows
         state.judged_rows.move_to_end(key)
         kept = sum(len(r) for r in state.judged_rows.values())
-        while kept > self._config.late_rows_kept:
+        config = self._config
+        while state.judged_rows and (
+            kept > config.late_rows_kept or len(state.judged_rows) > config.late_windows_kept
+        ):
             kept -= len(state.judged_rows.popitem(last=False)[1])
 
     def _window_count(self, connection: Connection, run_id: int, incarnation: str, attempt: int) -> int:
