@@ -229,6 +229,59 @@ def test_judged_windows_kept_for_late_records_are_bounded_by_windows_and_records
     assert all(len(rows) == 2 for rows in kept.values())
 
 
+def _rank_loss_findings(service: Service) -> list[tuple[int, str, int | None]]:
+    table = models.FindingRow.__table__
+    with service.engine.connect() as connection:
+        rows = connection.execute(
+            sa.select(table.c.rank, table.c.severity, table.c.incident_id)
+            .where(table.c.kind == "rank_loss_spike")
+            .order_by(table.c.id)
+        ).all()
+    return [tuple(row) for row in rows]
+
+
+def _short_sequence_at(records: list[dict], step: int, loss: float) -> list[dict]:
+    """One supervised token at ``step``: a rank far off its peers that barely moves the run's loss."""
+    return [{**r, "tokens": 1, "loss_sum": loss} if r["step"] == step else r for r in records]
+
+
+def test_a_late_rank_that_makes_an_on_time_ranks_spike_critical_upgrades_its_incident(tmp_path: Path) -> None:
+    """Rank 0's loss per token at step 40 (6.0) against 2 peers (1.0 and 2.5: median 2.5, threshold
+    5.0, critical from 7.5) is a warning; with rank 3 (1.0) late in its window, against 3 peers
+    (median 1.75, critical from 5.25) it is critical. The incident is upgraded and the decisions
+    asked again; the warning is not recorded twice, and a late record that changes nothing adds no
+    finding. (Rank 0 has one supervised token there: the run's loss stays level, no run spike.)"""
+    clock = Clock()
+    service, run_id = make_service(tmp_path / "s.db", clock)
+    post(service, run_id, [{"kind": "run_start", "incarnation": INCARNATION, "time": 0.0, "world_size": 4}])
+    attempts = range(1, 46)
+    on_time = _short_sequence_at(steps(attempts, (0,)), 40, 6.0)
+    post(service, run_id, on_time + steps(attempts, (1,), {40: 1.0}) + steps(attempts, (2,), {40: 2.5}))
+    clock.now += 60.0  # rank 3 given up on: its windows are judged without it
+    service.judge_waiting()
+    assert [(rank, severity) for rank, severity, _ in _rank_loss_findings(service)] == [(0, "warning")]
+    with service.engine.connect() as connection:
+        (incident,) = queries.list_incidents(connection, queries.IncidentFilter(run="r"))
+    assert (incident["kind"], incident["severity"]) == ("spike", "warning")
+    considered: list[list[int]] = []
+    consider = service.decisions.consider
+    service.decisions.consider = lambda run, touched: (
+        considered.append(list(touched)) or consider(run, touched)
+    )  # type: ignore[method-assign]
+    post(service, run_id, steps(range(1, 40), (3,)))  # late, but not in step 40's window
+    assert len(_rank_loss_findings(service)) == 1
+    post(service, run_id, steps(range(40, 46), (3,), {40: 1.0}))
+    found = _rank_loss_findings(service)
+    assert [(rank, severity) for rank, severity, _ in found] == [(0, "warning"), (0, "critical")]
+    assert found[0][2] == found[1][2] == incident["id"]
+    with service.engine.connect() as connection:
+        (upgraded,) = queries.list_incidents(connection, queries.IncidentFilter(run="r"))
+    assert (upgraded["id"], upgraded["severity"]) == (incident["id"], "critical")
+    assert [incident["id"]] in considered
+    post(service, run_id, steps(range(40, 41), (3,), {40: 1.0}))  # sent again: stored once, no news
+    assert len(_rank_loss_findings(service)) == 2
+
+
 def test_hook_settings_are_read_only_when_usable() -> None:
     from monitor.store.hook_settings import stated
 

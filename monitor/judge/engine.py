@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 from monitor.judge.batches import judge_batch
 from monitor.judge.config import EngineConfig
 from monitor.judge.incidents import IncidentRecorder
+from monitor.judge.late_findings import news
 from monitor.judge.readings import RANK_FIELDS, point_from_summary, rank_window
 from monitor.judge.restarts import judge_restarts
 from monitor.judge.resumes import judge_resumes
@@ -187,8 +188,10 @@ class PolicyEngine:
             raise _JudgedElsewhere
 
     def judge_late(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
-        """Records whose window was judged before they arrived (replayed from a spool): judged
-        on their own and against their window's peers; their findings join open incidents."""
+        """Records whose window was judged before they arrived (replayed from a spool): their
+        window is judged again with them, against the state as it stands; what is news
+        (``late_findings``: the late ranks' findings, and an on-time rank's named for the first
+        time or more severely) joins open incidents, and the decisions are taken again."""
         if not rows:
             return []
         with self._lock, self._engine.begin() as connection:
@@ -203,7 +206,7 @@ class PolicyEngine:
                 for policy in self._rank_policies:
                     if policy.late:  # judged with the state as it stands: a late record does not move it
                         _, found = policy.judge(state.ranks[policy.name], window)
-                        findings += [f for f in found if f.rank is None or f.rank in ranks]
+                        findings += news(connection, run_id, found, ranks)
             return self.incidents.record(connection, run_id, findings, state.last_step)
 
     def judge_resumes(self, run_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
