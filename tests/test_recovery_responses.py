@@ -169,6 +169,36 @@ def test_a_hold_times_out_on_the_services_clock_and_the_proposal_stays_pending(
     assert the_proposal(store, run)["status"] == "pending"
 
 
+def test_a_spike_a_late_rank_makes_critical_is_held_then_and_once(
+    store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    """Rank 0 at step 40 against 2 peers is a warning: a pending rollback, no hold. Rank 3's records,
+    late, make it critical against 3 peers: the configured hold goes out then, for the proposal
+    still pending, and only once however often the incident is touched again."""
+    clock = Clock()
+    service = held_service(store, clock, spike="hold")
+    start = {"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 4}
+    windows = spiky_windows(range(1, 46), ranks=4)
+    at_40 = {0: (1, 6.0), 1: (10, 10.0), 2: (10, 25.0), 3: (10, 10.0)}  # (tokens, loss sum)
+    for window in windows:
+        if window["attempt"] == 40:
+            window["tokens"], window["loss_sum"] = at_40[window["rank"]]
+    post(service, run, [start, checkpoint(tmp_path, 20), *[w for w in windows if w["rank"] != 3]])
+    clock.now += 60.0  # rank 3 given up on: its windows are judged without it
+    service.judge_waiting()
+    proposal = the_proposal(store, run)
+    assert (proposal["action"], proposal["status"]) == ("rollback", "pending")
+    assert directives_of(store, "hold") == []
+    late = [w for w in windows if w["rank"] == 3]
+    post(service, run, late)
+    (hold,) = directives_of(store, "hold")
+    assert hold["incident_id"] == proposal["incident"] and hold["payload"]["proposal"] == proposal["id"]
+    assert the_proposal(store, run)["id"] == proposal["id"]  # the same proposal, not a new one
+    post(service, run, late[-5:])
+    service.judge_waiting()
+    assert len(directives_of(store, "hold")) == 1
+
+
 def test_a_finished_incarnation_is_not_held(store: Engine, run: RunHandle, tmp_path: Path) -> None:
     service = held_service(store, Clock(), nonfinite="hold")
     post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])

@@ -43,6 +43,7 @@ from policies.proposal_lifecycle import (
 )
 from policies.proposals import IncidentFacts, Proposal, propose
 from policies.remedies import Remedy, incident_remedy, stated_remedy
+from policies.responses import Response
 from policies.retries import Rollback, may_roll_back
 
 PROPOSAL = models.table_of(models.Proposal)
@@ -267,18 +268,32 @@ class Decisions:
             return None
         responses.note_trainer_response(connection, incident, self._clock())
         live = connection.execute(
-            sa.select(PROPOSAL.c.id).where(
+            sa.select(PROPOSAL.c.id, PROPOSAL.c.status).where(
                 PROPOSAL.c.incident_id == incident_id,
                 PROPOSAL.c.status.in_(_values(proposal_lifecycle.LIVE)),
             )
         ).first()
         if live is not None:
+            self._hold_if_upgraded(connection, incident, live)
             return None
         now = self._clock()
         proposal = self._proposal(connection, run_id, incident, now)
         if proposal is None:
             return None
         return self._store(connection, run_id, incident, proposal, actor, now)
+
+    def _hold_if_upgraded(self, connection: Connection, incident: Any, live: Any) -> None:
+        """An incident that became critical after its proposal was made (a late rank's records
+        judged with its window) gets the response a critical one is configured to get, while its
+        proposal still waits for a person; ``respond`` holds an incident once at most."""
+        responses_config = self._config.responses
+        if incident["severity"] != "critical" or responses_config.for_kind(incident["kind"]) is Response.NONE:
+            return
+        if live.status != ProposalStatus.PENDING:
+            return
+        responses.hold_if_configured(
+            connection, incident, live.id, True, False, responses_config, self._clock()
+        )
 
     def _proposal(self, connection: Connection, run_id: int, incident: Any, now: float) -> Proposal | None:
         """What the policies propose for an open incident now (nothing stored)."""
