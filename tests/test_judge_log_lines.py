@@ -45,6 +45,20 @@ MEGATRON = (
         ("step 12 saved checkpoint to out/ckpt.pt", None),  # a step and no signal
         ("{'loss': 2.345, 'grad_norm': 1.2, 'learning_rate': 5e-05, 'epoch': 0.1}", None),  # no step
         ("loading 4 steps of warmup", None),
+        # llm.c's main.log: s: is the step, trl: the training loss, norm: the grad norm
+        (
+            "s:9025 trl:3.4915 lr:0.000355 norm:2.02",
+            {"step": "9025", "loss": "3.4915", "lr": "0.000355", "grad_norm": "2.02"},
+        ),
+        ("s:12 trl:9.350030", {"step": "12", "loss": "9.350030"}),
+        ("s:250 tel:4.1203", None),  # llm.c's validation loss
+        ("s:250 eval:0.2941", None),  # llm.c's HellaSwag accuracy
+        # modded-nanogpt
+        (
+            "step:20343/20344 train_loss:2.4984 train_time:34638583ms step_avg:1703.56ms",
+            {"step": "20343", "loss": "2.4984"},
+        ),
+        ("step:20250/20344 val_loss:2.7741 train_time:34480530ms step_avg:1703.58ms", None),
     ],
 )
 def test_each_trainers_line_is_read_as_its_step_and_signals(line: str, row: dict[str, str] | None) -> None:
@@ -81,3 +95,45 @@ def test_a_log_with_no_training_line_is_one_line_and_a_value_that_is_no_number_i
         report(tmp_path / "empty.out")
     (tmp_path / "odd.log").write_text("iter 1: loss 2.0\niter 2: loss 2.1.3\niter 3: loss 2.0\n")
     assert report(tmp_path / "odd.log")["steps"] == 2  # "2.1.3" is not read as 2.1
+
+
+def test_a_txt_training_log_is_read_as_a_log_and_a_txt_table_as_a_table(tmp_path: Path) -> None:
+    """modded-nanogpt writes ``logs/<run id>.txt``: the training script's source, then one
+    ``step:N/T train_loss:...`` line a step. Read as a CSV it was refused ("no 'step' column")."""
+    losses = [3.0 - s * 0.001 + 0.01 * ((s * 7) % 5 - 2) for s in range(1, 301)]
+    losses[199] = 9.0  # step 200
+    lines = [
+        "import os",
+        "import sys",
+        "with open(sys.argv[0]) as f:",
+        "    code = f.read() # read the code, a, b",
+    ]
+    lines.append('        print(f"step:{step+1}/{args.num_iterations} train_loss:{train_loss.item():.4f}")')
+    for step, loss in enumerate(losses, 1):
+        if step % 100 == 0:
+            lines.append(
+                f"step:{step}/300 val_loss:{loss + 0.1:.4f} train_time:{step * 90}ms step_avg:90.00ms"
+            )
+        lines.append(f"step:{step}/300 train_loss:{loss:.4f} train_time:{step * 90}ms step_avg:90.00ms")
+    (tmp_path / "0ecdb695.txt").write_text("\n".join(lines) + "\n")
+    table = pl.DataFrame({"step": range(1, 301), "loss": [round(v, 4) for v in losses]})
+    table.write_csv(tmp_path / "s.txt")
+    from_log, from_table = report(tmp_path / "0ecdb695.txt"), report(tmp_path / "s.txt")
+    assert from_log["steps"] == from_table["steps"] == 300
+    assert [(i["kind"], i["first_step"]) for i in from_log["incidents"]] == [("spike", 200)]
+    assert json.dumps(from_log["findings"]) == json.dumps(from_table["findings"])
+
+
+def test_an_llm_c_log_is_judged_with_its_grad_norm(tmp_path: Path) -> None:
+    """llm.c's ``main.log`` (``s:N trl:... lr:... norm:...``, ``s:N tel:...`` for validation)
+    was refused: no line named a step."""
+    lines = []
+    for step in range(0, 400):
+        if step % 100 == 0:
+            lines.append(f"s:{step} tel:{3.5 - step * 0.0005:.6f}")
+        norm = 2.5 if step == 300 else 0.25 + 0.01 * ((step * 7) % 5 - 2)
+        lines.append(f"s:{step} trl:{3.4 + 0.01 * ((step * 3) % 7 - 3):.4f} lr:0.000355 norm:{norm:.2f}")
+    (tmp_path / "main.log").write_text("\n".join(lines) + "\n")
+    result = report(tmp_path / "main.log")
+    assert result["steps"] == 400
+    assert [(i["kind"], i["first_step"]) for i in result["incidents"]] == [("spike", 300)]

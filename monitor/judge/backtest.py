@@ -23,7 +23,7 @@ import polars as pl
 
 from monitor.judge.readings import point_from_summary
 from monitor.judge.series_files import BacktestError as BacktestError  # raised here, caught by the CLI
-from monitor.judge.series_files import TextFile, open_text_file
+from monitor.judge.series_files import TextFile, open_log_file, open_text_file
 from monitor.judge.summaries import empty_summary, fold
 from policies.backtest import BacktestResult, backtest_series
 from policies.series import SeriesConfig
@@ -239,8 +239,16 @@ class SeriesFile:
 
 def open_series_file(path: Path, mapping: Mapping[str, str]) -> SeriesFile:
     text = open_text_file(path)
+    if path.suffix.lower() == ".txt" and not _names_a_step(text.columns, mapping):
+        text = open_log_file(path) or text  # a printed log saved as .txt; else refused as a table
     fields = layout(text.columns, mapping)
     return SeriesFile(text, fields, _ranks_by_run(text, fields))
+
+
+def _names_a_step(columns: Sequence[str], mapping: Mapping[str, str]) -> bool:
+    """Whether a table's header has a column ``layout`` would read as the step."""
+    names = {mapping.get(name, name).strip().lower() for name in columns}
+    return any(name in names for name in ("step", *COMMON_NAMES["step"]))
 
 
 def _ranks_by_run(text: TextFile, fields: Layout) -> dict[str | None, frozenset[int]]:

@@ -5,6 +5,10 @@ and a signal, the way the common trainers print them, for ``runhealth backtest``
 - Megatron-LM: ``iteration      100/  500000 | ... | learning rate: 1.000E-04 | ... | lm loss:
   7.123E+00 | loss scale: 65536.0 | grad norm: 1.234 | ...``
 - torchtitan: ``step:  10  loss:  9.1234  memory: ...``; OLMo-style ``step=100 ... train/loss=2.3``
+- modded-nanogpt: ``step:100/1750 train_loss:4.5 train_time:...`` (its ``logs/<run id>.txt``)
+- llm.c's ``main.log``: ``s:100 trl:3.4915 lr:0.000355 norm:0.27`` (its own short names, read
+  only in this shape: ``s:`` the step, ``trl:`` the training loss, ``norm:`` the grad norm;
+  ``s:100 tel:...``, its validation loss, is no row)
 
 A line is read when it names a step (``iter``, ``iteration``, ``step``, ``global_step``, the
 first such number on it) and at least one of loss, grad norm, learning rate, loss scale (a
@@ -28,12 +32,20 @@ SIGNALS: dict[str, re.Pattern[str]] = {
     "lr": re.compile(r"\b(?:learning[ _-]rate|lr)\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
     "loss_scale": re.compile(r"\bloss[ _-]scale\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
 }
+LLM_C = re.compile(
+    r"^s:(\d+) trl:" + NUMBER + r"(?: lr:" + NUMBER + r")?(?: norm:" + NUMBER + r")?\s*$", re.IGNORECASE
+)
+"""llm.c's training line, whole: its names are too short to look for anywhere else."""
 EVALUATION = re.compile(r"\b(?:val|valid|validation|eval|evaluation|test)\b", re.IGNORECASE)
 LOG_SUFFIXES = (".log", ".out")
 
 
 def line_row(line: str) -> dict[str, str] | None:
     """The step and signals one log line names, as text; ``None`` for any other line."""
+    llm_c = LLM_C.match(line)
+    if llm_c is not None:
+        values = zip(("step", "loss", "lr", "grad_norm"), llm_c.groups(), strict=True)
+        return {name: value for name, value in values if value is not None}
     if EVALUATION.search(line):
         return None
     step = STEP.search(line)

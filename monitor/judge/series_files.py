@@ -81,18 +81,29 @@ def open_text_file(path: Path) -> TextFile:
         raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file, or a training log (.log, .out)")
     check_bytes(path)
     separator = CSV_SEPARATORS.get(suffix)
+    if separator is None and suffix not in JSONL_SUFFIXES:
+        log = open_log_file(path)
+        if log is None:
+            raise BacktestError(
+                f"{path}: no line names a step and a loss, grad norm, learning rate or loss scale "
+                "(as nanoGPT's `iter 100: loss 2.34` or Megatron's `iteration 100/ ... | lm loss: ...`)"
+            )
+        return log
     with reading(path, separator, None):
         if separator is None:
-            rows: Rows = _jsonl_rows if suffix in JSONL_SUFFIXES else log_rows
-            columns = dict.fromkeys(key for row in rows(path) for key in row)
-            if not columns and rows is log_rows:
-                raise BacktestError(
-                    f"{path}: no line names a step and a loss, grad norm, learning rate or loss scale "
-                    "(as nanoGPT's `iter 100: loss 2.34` or Megatron's `iteration 100/ ... | lm loss: ...`)"
-                )
-            return TextFile(path, tuple(columns), None, rows)
+            columns = dict.fromkeys(key for row in _jsonl_rows(path) for key in row)
+            return TextFile(path, tuple(columns), None, _jsonl_rows)
         schema = pl.scan_csv(path, infer_schema=False, separator=separator).collect_schema()
         return TextFile(path, tuple(schema.names()), separator)
+
+
+def open_log_file(path: Path) -> TextFile | None:
+    """The file read as a training log (``log_lines``); ``None`` when no line of it names a
+    step and a signal. Also how a ``.txt`` whose first line names no step is read: a trainer's
+    printed log saved as ``log.txt`` (modded-nanogpt's ``logs/<run id>.txt``), not a table."""
+    with reading(path, None, None):
+        columns = dict.fromkeys(key for row in log_rows(path) for key in row)
+    return TextFile(path, tuple(columns), None, log_rows) if columns else None
 
 
 def check_bytes(path: Path) -> None:
