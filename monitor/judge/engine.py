@@ -420,6 +420,8 @@ class PolicyEngine:
     def _start_order(self, connection: Connection, run_id: int, incarnations: list[str]) -> list[str]:
         """Incarnations in the order they began (their run_start or first record); those the
         store does not know yet keep their order of first pending window, after the known."""
+        if len(incarnations) == 1:  # the common case, on every post: no order to ask the store for
+            return incarnations
         known = dict(
             connection.execute(
                 sa.select(INCARNATION.c.incarnation, INCARNATION.c.id).where(
