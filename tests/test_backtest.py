@@ -147,6 +147,21 @@ def test_an_ambiguous_name_is_left_to_the_user(tmp_path: Path) -> None:
     assert report["steps"] == 9 and report["notes"] == ["ignored columns: lm loss"]
 
 
+def test_a_file_judged_without_a_loss_says_which_columns_could_be_one(tmp_path: Path) -> None:
+    """birdjepa's per-step export (``step,loss_pr,loss_ce,grad_norm``): only the grad norm was
+    judged, and the report said nothing but "ignored columns" while every loss jump went unseen."""
+    path = tmp_path / "export.csv"
+    loss = [2.9 + 0.01 * (s % 3) for s in range(1, 120)] + [8.9]
+    table = {"step": range(1, 121), "loss_pr": [v + 0.1 for v in loss], "loss_ce": loss}
+    pl.DataFrame({**table, "val_loss": [3.1] * 120, "grad_norm": [0.5] * 120}).write_csv(path)
+    report = run_file(path, {})
+    assert report["incidents"] == []  # the grad norm alone is judged, as asked
+    assert "no column is read as loss; loss_pr, loss_ce could be one (--column SRC=loss)" in report["notes"]
+    mapped = run_file(path, parse_mapping(["loss_ce=loss"]))
+    assert [(i["first_step"], i["kind"]) for i in mapped["incidents"]] == [(120, "spike")]
+    assert not any(note.startswith("no column is read as loss") for note in mapped["notes"])
+
+
 def test_ranks_are_folded_token_weighted(tmp_path: Path) -> None:
     rows = []
     for step in range(1, 71):
@@ -170,7 +185,10 @@ def test_ranks_are_folded_token_weighted(tmp_path: Path) -> None:
         ("step,loss\n1,2.0\n,2.0\n", "column 'step', row 2"),
         ("step,loss\n1.5,2.0\n", "column 'step', row 1"),
         ("step,other\n1,2\n", "none of the signals"),
-        ("Wall time,Step,Value\n1.7e9,1,2.5\n", r"map one of its columns \(Wall time, Value\) with --column SRC=loss"),
+        (
+            "Wall time,Step,Value\n1.7e9,1,2.5\n",
+            r"map one of its columns \(Wall time, Value\) with --column SRC=loss",
+        ),
         ("step,skipped\n1,maybe\n", "column 'skipped', row 1"),
     ],
 )

@@ -13,6 +13,7 @@ run, after one pass over its ``run`` and ``rank`` columns.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -123,6 +124,10 @@ COMMON_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+EVALUATION_NAME = re.compile(r"(?:^|[^a-z])(?:val|valid|validation|eval|test)(?:[^a-z]|$)", re.IGNORECASE)
+"""A column of evaluation loss (``val_loss``, ``eval/loss``): never the training loss."""
+
+
 def recognized_names(columns: list[str]) -> tuple[dict[str, str], list[str]]:
     """Renames for fields logged under another tool's name (or another case), and a note
     for each."""
@@ -167,6 +172,9 @@ def layout(columns: Sequence[str], mapping: Mapping[str, str]) -> Layout:
     ignored = [name for name in named if name not in FIELDS]
     if ignored:
         notes.append("ignored columns: " + ", ".join(ignored))
+    losses = [name for name in ignored if "loss" in name.lower() and not EVALUATION_NAME.search(name)]
+    if "loss" not in named and losses:  # judged without a loss, the report alone would look clean
+        notes.append(f"no column is read as loss; {', '.join(losses)} could be one (--column SRC=loss)")
     if not any(name in named for name in SIGNALS):
         hints = "".join(f"; {note}" for note in notes if note.startswith("several columns"))
         if ignored and not hints:  # a TensorBoard scalar export: Wall time, Step, Value
