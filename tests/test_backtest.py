@@ -162,6 +162,35 @@ def test_a_file_judged_without_a_loss_says_which_columns_could_be_one(tmp_path: 
     assert not any(note.startswith("no column is read as loss") for note in mapped["notes"])
 
 
+def test_a_hugging_face_trainer_state_is_read_from_its_log_history(tmp_path: Path) -> None:
+    """``trainer_state.json``, the one per-step record the Hugging Face Trainer keeps, was refused
+    (".json" is no suffix it read). Its ``log_history`` holds training entries, evaluation entries
+    and a closing summary whose ``train_loss`` is the run's mean: only the training entries are rows."""
+    loss = [1.2 - 0.001 * s + 0.01 * (s % 3) for s in range(1, 121)]
+    loss[99] = 4.0  # step 100 of 120
+    history: list[dict[str, object]] = []
+    for step, value in enumerate(loss, 1):
+        history.append(
+            {"epoch": step / 40, "grad_norm": 0.8, "learning_rate": 2e-5, "loss": value, "step": step}
+        )
+        if step % 40 == 0:
+            history.append({"epoch": step / 40, "eval_loss": 1.5, "eval_runtime": 9.1, "step": step})
+    history.append({"epoch": 3.0, "step": 120, "train_loss": 1.1, "train_runtime": 600.0, "total_flos": 1e15})
+    state = {"global_step": 120, "log_history": history, "logging_steps": 1, "max_steps": 120}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    pl.DataFrame({"step": range(1, 121), "loss": loss, "grad_norm": [0.8] * 120}).write_csv(
+        tmp_path / "s.csv"
+    )
+    report, table = run_file(tmp_path / "trainer_state.json", {}), run_file(tmp_path / "s.csv", {})
+    assert report["steps"] == 120
+    assert [(i["first_step"], i["kind"]) for i in report["incidents"]] == [(100, "spike")]
+    assert report["incidents"] == table["incidents"]
+    assert "read column 'learning_rate' as lr (--column learning_rate=FIELD to choose)" in report["notes"]
+    (tmp_path / "other.json").write_text(json.dumps({"step": 1, "loss": 2.0}))
+    with pytest.raises(BacktestError, match="no log_history"):
+        run_file(tmp_path / "other.json", {})
+
+
 def test_ranks_are_folded_token_weighted(tmp_path: Path) -> None:
     rows = []
     for step in range(1, 71):

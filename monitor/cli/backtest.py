@@ -34,7 +34,8 @@ def backtest_command(
     ] = "calibrated",
     as_json: JsonOption = False,
 ) -> None:
-    """Run the policies over a recorded series (CSV or JSONL with a step column, or a training log)."""
+    """Run the policies over a recorded series (CSV or JSONL with a step column, a training log, or a
+    Hugging Face trainer_state.json)."""
     if preset not in PRESETS:
         raise UserError(f"--preset must be one of {', '.join(PRESETS)}, not {preset!r}")
     config = SeriesConfig(loss_spike=PRESETS[preset]())

@@ -38,6 +38,11 @@ QUOTED_LIMIT_BYTES = 64 << 20
 
 CSV_SEPARATORS = {".csv": ",", ".txt": ",", ".tsv": "\t"}
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TRAINER_STATE_SUFFIX = ".json"
+"""A Hugging Face ``trainer_state.json``: its ``log_history`` (``_trainer_state_rows``)."""
+NOT_TRAINING = ("eval_", "predict_", "test_", "train_runtime")
+"""Keys of a ``log_history`` entry that is no training step: an evaluation, or the closing
+summary (whose ``train_loss`` is the mean of the whole run)."""
 
 
 class BacktestError(ValueError):
@@ -77,9 +82,15 @@ def open_text_file(path: Path) -> TextFile:
     if not path.is_file():  # a pipe or a device: it cannot be read twice, and may never end
         raise BacktestError(f"cannot read {path}: not a regular file")
     suffix = path.suffix.lower()
-    if suffix not in CSV_SEPARATORS and suffix not in JSONL_SUFFIXES and suffix not in LOG_SUFFIXES:
-        raise BacktestError(f"{path}: expected a .csv, .tsv or .jsonl file, or a training log (.log, .out)")
+    known = (*CSV_SEPARATORS, *JSONL_SUFFIXES, *LOG_SUFFIXES, TRAINER_STATE_SUFFIX)
+    if suffix not in known:
+        raise BacktestError(
+            f"{path}: expected a .csv, .tsv or .jsonl file, a training log (.log, .out) or a trainer_state.json"
+        )
     check_bytes(path)
+    if suffix == TRAINER_STATE_SUFFIX:
+        columns = dict.fromkeys(key for row in _trainer_state_rows(path) for key in row)
+        return TextFile(path, tuple(columns), None, _trainer_state_rows)
     separator = CSV_SEPARATORS.get(suffix)
     if separator is None and suffix not in JSONL_SUFFIXES:
         log = open_log_file(path)
@@ -210,6 +221,24 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, str | None]]:
             if not isinstance(row, dict):
                 raise BacktestError(f"cannot read {path}: line {number} is not a JSON object")
             yield {str(key): _as_text(value) for key, value in row.items()}
+
+
+def _trainer_state_rows(path: Path) -> Iterator[dict[str, str | None]]:
+    """The training entries of a Hugging Face ``trainer_state.json``'s ``log_history``, in order.
+    Read whole: the Trainer keeps one entry per logging step, kilobytes to a few megabytes."""
+    with reading(path, None, None), path.open(encoding="utf-8") as file:
+        try:
+            state = json.load(file)  # the Trainer writes a NaN loss as a bare NaN, which this reads
+        except ValueError as exc:
+            raise BacktestError(f"cannot read {path}: {exc}") from exc
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise BacktestError(
+            f"{path}: no log_history list (a .json is read as a Hugging Face trainer_state.json)"
+        )
+    for entry in history:
+        if isinstance(entry, dict) and not any(str(key).startswith(NOT_TRAINING) for key in entry):
+            yield {str(key): _as_text(value) for key, value in entry.items()}
 
 
 def _row_batches(rows: Iterator[Mapping[str, str | None]], columns: Sequence[str]) -> Iterator[pl.DataFrame]:
