@@ -7,6 +7,12 @@ the hook adds no barrier to a save), reads every byte for the sha256, checks tha
 while it read, and hands the manifest on to be sent. The checkpoint becomes a rollback target
 once that record is stored. One thread at a time, first in first out, so the records leave in the
 order the saves were made; it exits when it has nothing left and starts again at the next save.
+
+A save to a path that a later save wrote over before its turn came, or while it was read, is
+recorded without a manifest: the files hold the later save's bytes, and a manifest of them under
+the earlier step would make that step a rollback target that restores the later state (a
+trainer that overwrites ``snapshot.pt`` every epoch, faster than ``manifest_settle_s`` and a
+hash, queued every save of the run behind the first and hashed the last one's bytes for each).
 """
 
 from __future__ import annotations
@@ -77,15 +83,21 @@ class ManifestWorker:
         self._send = send
         self._settle_s = settle_s
         self._wait = wait
-        self._jobs: deque[ManifestJob] = deque()
+        self._jobs: deque[tuple[int, ManifestJob]] = deque()
         self._state = threading.Condition()
         self._running = False
         self._reading = 0  # jobs taken off the queue and not yet sent (0 or 1)
+        self._submitted = 0
+        # Path -> the number of its newest save, while a save of it is queued or being read.
+        self._newest: dict[str, int] = {}
+        self._said_overwritten: set[str] = set()
 
     def submit(self, job: ManifestJob) -> None:
         """Queue a checkpoint; never blocks on the files."""
         with self._state:
-            self._jobs.append(job)
+            self._submitted += 1
+            self._newest[job.path] = self._submitted
+            self._jobs.append((self._submitted, job))
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._run, name="runhealth-manifests", daemon=True).start()
@@ -102,15 +114,18 @@ class ManifestWorker:
             return len(self._jobs) + self._reading
 
     def _run(self) -> None:
-        while (job := self._next()) is not None:
+        while (taken := self._next()) is not None:
+            number, job = taken
             try:
-                self._send(job, self._manifest(job))
+                self._send(job, self._manifest(number, job))
             except Exception:  # one checkpoint's failure must not stop the later ones' records
                 log.exception("runhealth: checkpoint %s (step %d) could not be recorded", job.path, job.step)
             with self._state:
                 self._reading = 0
+                if self._newest.get(job.path) == number:
+                    del self._newest[job.path]  # no save of that path left: the map stays small
 
-    def _next(self) -> ManifestJob | None:
+    def _next(self) -> tuple[int, ManifestJob] | None:
         """The next job, or None when there is none (the thread then ends, marked not running
         under the same lock a ``submit`` takes, so no job is left without a thread)."""
         with self._state:
@@ -121,9 +136,11 @@ class ManifestWorker:
             self._state.notify_all()
             return None
 
-    def _manifest(self, job: ManifestJob) -> dict[str, Any] | None:
+    def _manifest(self, number: int, job: ManifestJob) -> dict[str, Any] | None:
+        if self._overwritten(number, job):  # before reading: the bytes are not this save's
+            return None
         try:
-            return settled_manifest(job.path, job.step, job.consumed, self._settle_s, self._wait)
+            manifest = settled_manifest(job.path, job.step, job.consumed, self._settle_s, self._wait)
         except (OSError, StillChanging) as exc:
             log.warning(
                 "runhealth: checkpoint %s (step %d) is recorded without a manifest, so it is no "
@@ -133,3 +150,25 @@ class ManifestWorker:
                 exc,
             )
             return None
+        # A save of the same path made while this one was read may be what was read. (One
+        # whose ``checkpoint_saved`` comes more than a quiet period after its bytes is not seen.)
+        return None if self._overwritten(number, job) else manifest
+
+    def _overwritten(self, number: int, job: ManifestJob) -> bool:
+        """Whether a later save of ``job``'s path was submitted; said once per path."""
+        with self._state:
+            newest = self._newest.get(job.path, number)
+            if newest == number:
+                return False
+            first = job.path not in self._said_overwritten
+            self._said_overwritten.add(job.path)
+        if first:
+            log.warning(
+                "runhealth: checkpoint %s (step %d) was saved over by a later save before it could be "
+                "hashed, so it is recorded without a manifest and is no rollback target (saves of "
+                "that path come faster than their files settle for %.1f s and are read; said once)",
+                job.path,
+                job.step,
+                self._settle_s,
+            )
+        return True

@@ -98,3 +98,42 @@ def test_a_failing_send_does_not_stop_the_later_checkpoints(tmp_path: Path) -> N
         worker.submit(ManifestJob(step, str(tmp_path / f"{step}.pt"), 0.0))
     assert worker.finish(10)
     assert sent == [2]
+
+
+def test_a_save_written_over_by_a_later_save_of_its_path_gets_no_manifest(tmp_path: Path) -> None:
+    """One ``snapshot.pt`` saved again every epoch (the DDP tutorial's trainer): a save still
+    queued when the next one lands, or read while it lands, holds the next one's bytes, so it is
+    recorded without a manifest; the newest save is hashed as it is."""
+    snapshot, other = tmp_path / "snapshot.pt", tmp_path / "other.pt"
+    other.write_bytes(b"o")
+    sent: list[tuple[int, dict[str, Any] | None]] = []
+    release, reading = threading.Event(), threading.Event()
+
+    def send(job: ManifestJob, manifest: dict[str, Any] | None) -> None:
+        release.wait(10)
+        sent.append((job.step, manifest))
+
+    def wait(seconds: float) -> None:
+        if not reading.is_set():  # the first save of snapshot.pt is being read
+            reading.set()
+            snapshot.write_bytes(b"epoch 2, longer")  # the next save lands meanwhile
+            worker.submit(ManifestJob(2, str(snapshot), 2.0))
+
+    worker = ManifestWorker(send, settle_s=0.0, wait=wait)
+    snapshot.write_bytes(b"epoch 1")
+    worker.submit(ManifestJob(1, str(snapshot), 1.0))
+    assert reading.wait(10)
+    release.set()
+    assert worker.finish(10)
+    release.clear()
+    worker.submit(ManifestJob(9, str(other), 9.0))  # holds the worker while two saves queue
+    for step, content in ((3, b"epoch 3"), (4, b"epoch 4, last")):
+        snapshot.write_bytes(content)
+        worker.submit(ManifestJob(step, str(snapshot), float(step)))
+    release.set()
+    assert worker.finish(10)
+    hashes = {step: manifest and manifest["files"][0]["sha256"] for step, manifest in sent}
+    assert [step for step, _ in sent] == [1, 2, 9, 3, 4]  # every save recorded, in order
+    assert hashes[1] is None and hashes[3] is None  # saved over: no manifest
+    assert hashes[2] == hashlib.sha256(b"epoch 2, longer").hexdigest()
+    assert hashes[4] == hashlib.sha256(b"epoch 4, last").hexdigest()
