@@ -28,6 +28,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/test_multinode.py": 145.3,
     "tests/test_recovery_holds.py": 135.1,
     "tests/test_collectors_multirank.py": 108.8,
+    "tests/test_multinode_tutorial.py": 93.6,  # alone at load 10, 2026-12-04
     "tests/test_replicas.py": 71.5,
     "tests/test_collectors_transport.py": 71.4,
     "tests/test_judge_batches.py": 63.7,

@@ -104,6 +104,22 @@ def test_the_optimizer_says_how_many_parameters_it_holds_and_how_many_have_state
     assert "exp_avg_norm" not in optimizer_state and "optimizer_step_max" not in optimizer_state
 
 
+def test_plain_sgd_keeps_no_state_so_its_parameters_are_not_counted(tmp_path: Path) -> None:
+    """``torch.optim.SGD`` without momentum (its default) stores nothing per parameter: its
+    resume says 0 of 0, not 0 of 3 (a lost state); with momentum, a fresh one is 0 of 3."""
+    model, _ = trained(0)
+    plain = torch.optim.SGD(model.parameters(), lr=1e-3)
+    lm_loss(model, get_batch()[0]).backward()
+    plain.step()
+    resume, _ = resume_record(tmp_path, plain, consumed=12)
+    optimizer_state = resume["restored"]["optimizer"]
+    assert (optimizer_state["param_states"], optimizer_state["trainable_params"]) == (0, 0)
+    momentum = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    resume, _ = resume_record(tmp_path / "momentum", momentum, consumed=12)
+    optimizer_state = resume["restored"]["optimizer"]
+    assert (optimizer_state["param_states"], optimizer_state["trainable_params"]) == (0, 3)
+
+
 def test_the_resume_carries_the_rate_its_first_window_trains_with(tmp_path: Path) -> None:
     """A nanoGPT-style loop sets the rate itself at the top of each iteration, after ``resumed``:
     the optimizer's rate at the resume (a fresh optimizer's constructor value) is not the

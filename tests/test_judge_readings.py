@@ -10,6 +10,7 @@ from monitor.judge.readings import (
     RANK_FIELDS,
     device_reading,
     link_reading,
+    point_from_summary,
     rank_window,
     resume_facts,
     xid_event,
@@ -126,3 +127,17 @@ def test_the_engines_selected_columns_are_all_a_window_reads() -> None:
         else:
             assert mine == theirs
     assert set(RANK_FIELDS) <= protocol.STEP.names
+
+
+def test_a_window_some_ranks_updated_and_some_did_not_is_no_skip() -> None:
+    """One rank crashed between its backward and its step (its window closed at exit, no
+    update) while its peers stepped: the window has no verdict, so the counters are not judged
+    on it; all ranks skipping is a skip."""
+    summary = {
+        "step": 40, "tokens": 124, "loss_sum": 140.0, "reported_loss_count": 0, "grad_norm": 0.4,
+        "lr": 0.05, "loss_scale": None, "incarnation": "inc", "attempt": 40, "consumed": 5120,
+        "skipped_ranks": 1, "ranks_reported": 4,
+    }  # fmt: skip
+    assert point_from_summary(summary, restart=False).skipped is None
+    assert point_from_summary({**summary, "skipped_ranks": 4}, restart=False).skipped is True
+    assert point_from_summary({**summary, "skipped_ranks": 0}, restart=False).skipped is False

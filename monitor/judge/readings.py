@@ -231,6 +231,7 @@ def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
     else:
         loss = reported
     rank_means = summary.get("rank_mean_count") or 0
+    skipped_ranks, ranks = summary["skipped_ranks"], summary["ranks_reported"]
     return StepPoint(
         step=summary["step"],
         loss=loss,
@@ -238,7 +239,12 @@ def point_from_summary(summary: dict[str, Any], restart: bool) -> StepPoint:
         lr=summary["lr"],
         tokens=tokens,
         loss_scale=summary["loss_scale"],
-        skipped=summary["skipped_ranks"] > 0,
+        # Some ranks updated and some did not: no verdict of the run's. Under data parallelism
+        # every rank takes the same verdict from the same reduced gradients, so the rank that
+        # made none died before its step (its window closed at exit by the crash). Read as a
+        # skip, every crash of one rank of the DDP tutorial's trainer between its backward and
+        # its step was a step that advanced on a skipped window (counter_mismatch).
+        skipped=None if 0 < skipped_ranks < ranks else skipped_ranks > 0,
         incarnation=summary["incarnation"],
         attempt=summary["attempt"],
         restart=restart,
