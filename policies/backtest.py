@@ -45,6 +45,8 @@ def backtest_series(points: Iterable[StepPoint], config: SeriesConfig) -> Backte
             else:
                 key = match.key
                 views[key] = extend(match, finding)
+                if views[key].kind != match.kind:  # refined (a spike that is a broken resume): say why
+                    summaries[key] = finding.message
             findings.append((finding, key))
     incidents = tuple(BacktestIncident(views[key], summaries[key]) for key in sorted(views))
     return BacktestResult(steps=steps, findings=tuple(findings), incidents=incidents)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import random
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from monitor.judge.backtest import (
     report_json,
     series_points,
 )
+from policies.backtest import backtest_series
 from policies.series import SeriesConfig
 from policies.types import StepPoint
 
@@ -468,3 +470,18 @@ def test_the_command_path_reads_the_file_as_it_judges(tmp_path: Path) -> None:
     streamed = report_json(reports, notes, tmp_path / "runs.csv")
     assert json.dumps(streamed) == json.dumps(run_file(tmp_path / "runs.csv"))  # NaN: as text
     assert streamed["run"] == ["a", "b"] and streamed["steps"] == 2 * 51
+
+
+def test_an_incident_refined_by_a_later_finding_is_summarised_by_it() -> None:
+    """A jump that stays is a level shift, and a jump after a restart back to the untrained loss is
+    a broken resume: the summary says so, not the first window's spike message."""
+    rng = random.Random(0)
+    level = [StepPoint(step=s, loss=2.0 + 0.02 * rng.random()) for s in range(1, 201)]
+    level += [StepPoint(step=s, loss=3.0 + 0.02 * rng.random()) for s in range(201, 241)]
+    resumed = [StepPoint(step=s, loss=10.0 * 0.97**s + 2.0 + 0.02 * rng.random()) for s in range(1, 301)]
+    resumed += [StepPoint(step=301, loss=2.01, restart=True)]
+    resumed += [StepPoint(step=s, loss=11.0 + 0.02 * rng.random()) for s in range(302, 320)]
+    (shift,) = backtest_series(level, SeriesConfig()).incidents
+    (broken,) = backtest_series(resumed, SeriesConfig()).incidents
+    assert shift.view.kind == "level_shift" and "stayed up" in shift.summary, shift.summary
+    assert broken.view.kind == "broken_resume" and "weights were lost" in broken.summary, broken.summary

@@ -135,3 +135,34 @@ def test_before_the_resume_verified_the_tail_does_not_touch_the_incident(store: 
 def test_past_the_acknowledged_stop_the_incarnation_is_judged_as_ever(store: Engine) -> None:
     run_id, _ = rolled_back(store, "done")
     assert len(record(store, run_id, nan_at(145))) == 1
+
+
+def loss_finding(step: int, kind: str, message: str) -> Finding:
+    return Finding(
+        step=step,
+        kind=kind,
+        severity=Severity.CRITICAL,
+        signal="loss",
+        value=11.0,
+        threshold=3.0,
+        message=message,
+        incarnation=NEW,
+    )
+
+
+def test_a_spike_refined_into_a_broken_resume_is_summarised_by_the_finding_that_refined_it(
+    store: Engine,
+) -> None:
+    """The operator reads the summary first: an incident that became a broken resume must not
+    still say 'the loss spiked'. A later spike joining it does not change the summary back."""
+    run_id = make_run(store, "refined").id
+    record(store, run_id, loss_finding(301, "loss_spike", "loss 11.0 at step 301 is above 3.0"))
+    record(
+        store,
+        run_id,
+        loss_finding(302, "broken_resume", "after the restart at step 301 the weights were lost"),
+    )
+    record(store, run_id, loss_finding(303, "loss_spike", "loss 11.0 at step 303 is above 3.0"))
+    (incident,) = incidents(store)
+    assert incident["kind"] == "broken_resume"
+    assert incident["summary"] == "after the restart at step 301 the weights were lost"

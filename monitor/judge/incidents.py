@@ -47,6 +47,8 @@ class _Open:
     nodes: set[str]
     devices: set[str]
     dirty: bool = False
+    summary: str | None = None
+    """The finding that refined the incident's kind, when one did: its message is the summary."""
 
 
 class IncidentRecorder:
@@ -90,6 +92,7 @@ class IncidentRecorder:
                         nodes=sorted(item.nodes),
                         devices=sorted(item.devices),
                         updated_at=now,
+                        **({} if item.summary is None else {"summary": item.summary}),
                     )
                 )
         return sorted(set(touched))
@@ -190,6 +193,8 @@ class IncidentRecorder:
         else:
             key = match.key
             opened[key].view = extend(match, finding)
+            if opened[key].view.kind != match.kind:  # refined (a spike that is a broken resume): say why
+                opened[key].summary = finding.message
         item = opened[key]
         item.dirty = True
         if finding.rank is not None:
