@@ -8,7 +8,7 @@ after the snapshot of step 32 was saved to ``snapshot.pt``. torchrun restarts th
 rank 0, with the job's service, went down with it, so the restarted rank 0 starts the service
 again on the same store and the other node's ranks learn its new address from the new start's
 store. The restarted trainer loads ``snapshot.pt`` and says so (``rh.resumed``). What must
-hold: one run with two incarnations (the first ``failed``, the second ``completed``), the resume
+hold: one run with two incarnations (the first failed, the second ``completed``), the resume
 of every rank recorded against step 32, every window of the second start stored, and no
 incident at all: the crash is no skipped update (its rank's last window, closed at exit, made
 none while its peers stepped), and the tutorial's plain SGD, which keeps no per-parameter state,
@@ -73,9 +73,16 @@ def test_a_crash_restarted_by_torchrun_resumes_from_the_snapshot_with_no_inciden
     launches = [launch(tmp_path, port, node) for node in (0, 1)]
 
     def close() -> None:
+        # A test that failed early: its launches, by PID. SIGTERM first: torchrun then ends its
+        # workers, which a SIGKILL of the launcher alone leaves running.
         for process in launches:
             if process.poll() is None:
-                process.kill()  # a test that failed early: its launches, by PID
+                process.terminate()
+        for process in launches:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
                 process.wait()
 
     request.addfinalizer(close)
@@ -104,7 +111,10 @@ def test_a_crash_restarted_by_torchrun_resumes_from_the_snapshot_with_no_inciden
 
     assert wait_until(judged, 60, 0.5)  # the service is gone: what it stored was judged before
     crashed, restarted = rows("incarnations")
-    assert (crashed["finish_status"], restarted["finish_status"]) == ("failed", "completed")
+    # The crashed start's finish is rank 0's: "failed" when its own collective failed first,
+    # none when torchrun's SIGTERM for its node's failed rank came first (a SIGTERM the trainer
+    # does not handle ends it before the hook's close); the restart-loop rule reads both alike.
+    assert crashed["finish_status"] in ("failed", None) and restarted["finish_status"] == "completed"
     steps = rows("step_records")
     first = [s for s in steps if s["incarnation"] == crashed["incarnation"]]
     assert max(s["step"] for s in first) == 40 and {s["rank"] for s in first} == set(range(WORLD))
