@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--skip-at", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--until-file", type=Path, default=None,
+        help="after --windows, train on until this file exists (the ranks agree on the window)",
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -48,6 +53,23 @@ def batches(rank: int, count: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def until(rank: int, count: int, stop: Path) -> Iterator[dict[str, Any]]:
+    """``count`` batches, then more until ``stop`` exists: the test ends the run on an event it
+    waits for (a wall-clock deadline), not after a number of steps a loaded machine may not
+    reach in time. Every rank asks at the same point of every window, so they stop together."""
+    index = 0
+    while True:
+        if index >= count:
+            seen = torch.tensor([1 if stop.exists() else 0])
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+            if seen.item():
+                return
+        generator = torch.Generator().manual_seed(1000 * (index + 1) + rank)
+        tokens = torch.randint(0, VOCAB, (4, 17), generator=generator)
+        yield {"tokens": tokens, "ids": [f"r{rank}-{index}-{row}" for row in range(4)]}
+        index += 1
+
+
 def hook_config(environ: dict[str, str]) -> RunHealthConfig:
     config = RunHealthConfig.from_environ(environ)
     sender = dataclasses.replace(
@@ -64,7 +86,12 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
         model=net, optimizer=optimizer, scaler=scaler, config=hook_config(environ), environ=environ,
         run_config={"windows": args.windows},
     ) as rh:  # fmt: skip
-        for index, batch in enumerate(rh.windows(batches(rank, args.windows), sample_ids=lambda b: b["ids"])):
+        source = (
+            batches(rank, args.windows)
+            if args.until_file is None
+            else until(rank, args.windows, args.until_file)
+        )
+        for index, batch in enumerate(rh.windows(source, sample_ids=lambda b: b["ids"])):
             tokens = batch["tokens"]
             logits = net(tokens)[:, :-1]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))

@@ -30,12 +30,14 @@ require_module("torch")
 
 
 def launch(
-    root: Path, step_sleep: float, windows: int = WINDOWS, **runhealth: str
+    root: Path, step_sleep: float, windows: int = WINDOWS, until: Path | None = None, **runhealth: str
 ) -> list[subprocess.Popen[bytes]]:
-    """Four ranks, as torchrun would start them on one node."""
+    """Four ranks, as torchrun would start them on one node (``until``: after ``windows``, they
+    train on until that file exists)."""
     command = [
         sys.executable, "-m", "tests.collectors_worker", "--windows", str(windows),
         "--skip-at", str(SKIP_AT), "--step-sleep", str(step_sleep), "--out", str(root / "results"),
+        *(["--until-file", str(until)] if until is not None else []),
     ]  # fmt: skip
     return launch_ranks(root, WORLD, command, RUNHEALTH_SPOOL_DIR=str(root / "spool"), **runhealth)
 
@@ -121,12 +123,18 @@ def test_a_scheduled_canary_runs_once_per_rank_and_is_acknowledged_once(tmp_path
     serve.start()
     try:
         token = serve.create_run("canary-4")
+        stop = tmp_path / "stop"
         ranks = launch(
-            tmp_path, 0.02, windows=400, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token,
+            tmp_path, 0.02, windows=100, until=stop, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token,
             RUNHEALTH_RUN="canary-4", RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.2",
         )  # fmt: skip
+        # Train until every rank acknowledged a canary (on a loaded machine the first one can come
+        # after any fixed number of windows), then 20 windows more: a second run of it would show.
+        acked = wait_until(lambda: len(table_rows(db, "directive_acks")) >= WORLD, 180)
+        time.sleep(20 * 0.02 + 1.0)
+        stop.touch()
         results = wait_for(ranks, tmp_path, timeout_s=240)
-        assert wait_until(lambda: len(table_rows(db, "directive_acks")) >= WORLD, 10), serve.log_tail()
+        assert acked, serve.log_tail()
     finally:
         serve.stop()
     directives = [d for d in table_rows(db, "directives") if d["kind"] == "canary"]
