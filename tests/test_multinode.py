@@ -91,9 +91,16 @@ class TwoNodeJob:
         return (self.root / f"node-{node}.log").read_text(errors="replace")[-4000:]
 
     def close(self) -> None:
+        # A test that failed early: its launches, by PID. SIGTERM first: torchrun then ends its
+        # workers, which a SIGKILL of the launcher alone leaves running.
         for launch in self.launches:
             if launch.poll() is None:
-                launch.kill()  # by PID: a test that failed early
+                launch.terminate()
+        for launch in self.launches:
+            try:
+                launch.wait(30)
+            except subprocess.TimeoutExpired:
+                launch.kill()
                 launch.wait()
 
     def rows(self, table: str) -> list[dict[str, Any]]:
