@@ -46,6 +46,7 @@ from collectors.window import (
     render_ids,
     settle_on_host,
 )
+from collectors.wrappers import inner_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +148,10 @@ class WindowAccounting:
         if model is not None and self.model is None:
             self.model = model
         optimizers = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
-        for item in optimizers:
+        for wrapped in optimizers:
+            # A wrapper's GradScaler (accelerate's under fp16) unless one was given.
+            scaler = scaler if scaler is not None else getattr(wrapped, "scaler", None)
+            item = inner_optimizer(wrapped)
             if item is not None and all(item is not known for known in self.optimizers):
                 self.optimizers.append(item)
                 self.handles.append(item.register_step_pre_hook(self._before_optimizer_step))
@@ -471,6 +475,18 @@ class WindowAccounting:
         context = getattr(self, "context", None)
         step = self.step - (context.device_skips.count if context is not None else 0)
         return {"attempt": self.attempt, "step": step, "consumed": self.consumed}
+
+    def boundary_consumed(self) -> int | None:
+        """The consumed count a save taken now captures: the ended windows' examples, and the
+        open window's once its update ran. A loop that saves right after ``optimizer.step()``
+        inside ``rh.windows()`` (as Accelerate's examples do, inside the batch loop) still has
+        that window open: it ends only when the loop asks for the next batch. Host facts only."""
+        window = self.window
+        if self.consumed is None or window is None or not (window.updates or window.verdicts):
+            return self.consumed
+        folded = self._totals.rows if self._totals is not None else 0
+        examples = window.local_examples(folded + label_rows(window.microbatches))
+        return None if examples is None else self.consumed + examples * self._dp_size
 
     # Values without a sync.
 

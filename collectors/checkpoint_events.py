@@ -116,9 +116,20 @@ class CheckpointEvents:
         budget's ``T_save``), and its consumed-example count is taken here, at the boundary it
         captures. ``step``: the step ``checkpoint_saved`` will name, when several saves overlap
         (asynchronous ones); otherwise the oldest declared save is the one published next. Not
-        on the step path: no mark in the window's timings."""
+        on the step path: no mark in the window's timings. A window still open whose update
+        already ran is closed first: a loop that saves right after ``optimizer.step()`` inside
+        ``rh.windows()`` (Accelerate's examples save inside the batch loop) would otherwise
+        spend the whole save in that window's optimizer phase, where the hang rule allows a
+        step's time, not a save's."""
+        window = self._windows.window
+        if window is not None and (window.updates or window.verdicts):
+            self._windows.window_end()
         mark = SaveMark(
-            step, time.perf_counter(), self._updates_seen(), self._windows.consumed, threading.get_ident()
+            step,
+            time.perf_counter(),
+            self._updates_seen(),
+            self._windows.boundary_consumed(),
+            threading.get_ident(),
         )
         mark.previous_gone = self._previous_gone(None)
         with self._saves_lock:
@@ -257,7 +268,7 @@ class CheckpointEvents:
             tags = [*(tags or ()), *mark.tags] or None
         if consumed is None:
             named = (manifest or {}).get("consumed")
-            boundary = mark.consumed if mark is not None else self._windows.consumed
+            boundary = mark.consumed if mark is not None else self._windows.boundary_consumed()
             consumed = int(named) if named is not None else boundary
         # Built now, so a bad value is refused at the call (``guarded``), not on the thread.
         event = records.checkpoint(

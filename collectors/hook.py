@@ -63,6 +63,7 @@ from collectors.sender import Sender, Transport
 from collectors.stacks import StackDump, dump_stacks
 from collectors.window import Counting, PendingWindow
 from collectors.wire import Record
+from collectors.wrappers import inner_scheduler
 from policies.batch_size import declaration
 from policies.protocol import to_wire
 
@@ -344,7 +345,10 @@ class RunHealth:
         self, *, model: Any = None, optimizer: Any = None, scaler: Any = None, scheduler: Any = None
     ) -> None:
         self._windows.watch(model=model, optimizer=optimizer, scaler=scaler)
-        self._events.scheduler = scheduler if scheduler is not None else self._events.scheduler
+        # A wrapper's inner scheduler (accelerate's ``AcceleratedScheduler``): ``wrappers.py``.
+        self._events.scheduler = (
+            inner_scheduler(scheduler) if scheduler is not None else self._events.scheduler
+        )
 
     def windows(
         self,

@@ -1,0 +1,149 @@
+"""An Accelerate custom training loop with runhealth attached by the README's recipe
+(``tests/trainers/accelerate_hooked.py``: ``accelerator.prepare``, ``accumulate``,
+``clip_grad_norm_`` on the updating microbatch, ``save_state("step_N")`` relative to the working
+directory), under ``torchrun`` on gloo, with the embedded service (no ``RUNHEALTH_URL``).
+
+A NaN on rank 1 at update 23: the service holds every rank, proposes a rollback to ``step_20``,
+an operator approves it with ``runhealth approve ID --db runhealth.db``, every rank restores the
+folder with ``accelerator.load_state`` through ``handle_rollback``, skips to its place with
+``skip_first_batches``, trains on, and the resume verifies. Each of the three defects this found
+fails it: the prepared (wrapped) optimizer took no step hooks, so no update was counted and
+every window looked like a skipped update; the prepared scheduler made ``rh.resumed`` raise, so
+no resume was recorded and the incident stayed open; a save inside ``rh.windows()`` recorded the
+consumed count one window short, so the resume was a data cursor mismatch against it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from monitor.store import queries
+from monitor.store.db import create_store_engine, resolve_url
+from tests.adapters_support import run_rows
+from tests.collectors_support import REPO, child_environ, table_rows, wait_until
+from tests.support import require_module
+from tests.test_attach_recipes import cli
+
+torch = require_module("torch")
+require_module("accelerate")
+require_module("transformers")
+pytestmark = pytest.mark.slow
+
+TRAINER = REPO / "tests" / "trainers" / "accelerate_hooked.py"
+WORLD = 2
+RUN = "accelerate-nan"
+EXAMPLES_PER_UPDATE = 4 * 2 * WORLD  # per-device batch x accumulation x ranks
+
+
+def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_resume_verifies(
+    tmp_path: Path,
+) -> None:
+    environ = child_environ(
+        RUNHEALTH_RUN=RUN,
+        RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2",
+        RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.5",
+        # The embedded service inherits it: a NaN holds every rank until its proposal is decided.
+        RUNHEALTH_POLICIES__RESPONSE__NONFINITE="hold",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+        str(TRAINER), "--max_train_steps=60", "--checkpointing_steps=10", "--nan_at=23",
+        "--nan_rank=1", "--step_sleep=0.1",
+    ]  # fmt: skip
+    log_path = tmp_path / "job.log"
+    with open(log_path, "wb") as log:
+        job = subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        db = tmp_path / "runhealth.db"
+        assert wait_until(lambda: (tmp_path / "runhealth.db.service.json").exists(), 120, 0.25), tail(
+            log_path
+        )
+        engine = create_store_engine(resolve_url(str(db), {}))
+        try:
+            proposal = pending_rollback(engine, log_path)
+        finally:
+            engine.dispose()
+        assert proposal["target"]["step"] == 20, proposal
+        assert proposal["target"]["path"] == str(tmp_path / "step_20")  # made absolute by the hook
+        approved = cli(tmp_path, "approve", str(proposal["id"]), "--db", str(db), "--reason", "NaN at 23")
+        assert approved["ok"], approved
+        job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()  # a test that failed early: its job, by PID
+            job.wait()
+    assert job.returncode == 0, tail(log_path)
+
+    steps = run_rows(db, "step_records", RUN)
+    first, resumed = list(dict.fromkeys(s["incarnation"] for s in steps))
+    before = [s for s in steps if s["incarnation"] == first]
+    # Every window is an update (counted by the inner optimizer's step hooks), with its loss,
+    # grad norm and supervised tokens: 4 rows of 31 shifted labels, 2 microbatches.
+    assert sorted({s["rank"] for s in before}) == list(range(WORLD))
+    for rank in range(WORLD):
+        mine = [s for s in before if s["rank"] == rank]
+        assert [s["step"] for s in mine] == list(range(1, len(mine) + 1)), mine
+    assert all(s["tokens"] == 4 * 31 * 2 and s["consumed"] == s["step"] * EXAMPLES_PER_UPDATE for s in steps)
+    finite = [s for s in steps if s["incarnation"] == resumed or s["step"] < 23]
+    assert all(np.isfinite(s["loss_sum"]) and np.isfinite(s["grad_norm"]) for s in finite)
+    checkpoints = {c["step"]: c["consumed"] for c in run_rows(db, "checkpoint_events", RUN)}
+    assert all(consumed == step * EXAMPLES_PER_UPDATE for step, consumed in checkpoints.items()), checkpoints
+
+    after = [s for s in steps if s["incarnation"] == resumed]
+    assert min(s["step"] for s in after) == 21 and max(s["step"] for s in after) == 60
+    assert len(after) == WORLD * 40 and all(np.isfinite(s["loss_sum"]) for s in after)
+    resumes = run_rows(db, "resume_events", RUN)
+    assert sorted(r["rank"] for r in resumes) == list(range(WORLD))
+    assert {(r["checkpoint_step"], r["restored"]["consumed"]) for r in resumes} == {
+        (20, 20 * EXAMPLES_PER_UPDATE)
+    }
+    assert {r["restored"]["scheduler"]["last_epoch"] for r in resumes} == {
+        20 * WORLD
+    }  # read through the wrapper
+    acks = table_rows(db, "directive_acks")
+    assert {(a["directive_id"], a["status"]) for a in acks} >= {(approved["proposal"]["directive"], "done")}
+
+    (incident,) = [i for i in run_rows(db, "incidents", RUN) if i["kind"] != "straggler"]
+    assert (incident["kind"], incident["first_step"], incident["status"]) == ("nonfinite", 23, "resolved")
+    # Two ranks on two cores beside other work: a straggler warning about the host is allowed
+    # (as in tests/test_attach_recipes.py); nothing else, and nothing after the rollback.
+    findings = [f for f in run_rows(db, "findings", RUN) if not f["kind"].startswith("straggler")]
+    assert {f["kind"] for f in findings} == {"nonfinite"}, findings
+    assert all(f["incarnation"] == first for f in findings)
+    audit = [row["action"] for row in table_rows(db, "audit_log")]
+    assert {"hold", "approved", "rollback_executed", "resume_verified", "incident_resolved"} <= set(audit), (
+        audit
+    )
+    dead = [p for p in (tmp_path / "runhealth-spool").rglob("*.dead.jsonl") if p.stat().st_size]
+    assert dead == []
+
+
+def pending_rollback(engine: Any, log_path: Path) -> dict[str, Any]:
+    """The run's pending rollback proposal, once the NaN was judged and a checkpoint before it
+    recorded (an escalation or an older target is superseded on the way)."""
+    found: list[dict[str, Any]] = []
+
+    def pending() -> bool:
+        try:
+            with engine.connect() as connection:
+                rows = queries.list_proposals(connection, RUN, "pending")
+        except Exception:  # the store not migrated yet
+            return False
+        found[:] = [p for p in rows if p["action"] == "rollback" and p["target"]["step"] == 20]
+        return bool(found)
+
+    assert wait_until(pending, 150, 0.5), tail(log_path)
+    return found[0]
+
+
+def tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-4000:]
