@@ -5,7 +5,9 @@ is not the ignore index (``-100``, PyTorch's ``cross_entropy`` default and Huggi
 convention). With ``shift=True`` the labels are the inputs themselves and the model predicts
 position ``t + 1`` from position ``t`` (Hugging Face causal LMs shift inside the model), so the
 first label of each sequence is never a target and is not counted. Pass ``shift=False`` when
-the labels are already the targets (``labels = tokens[:, 1:]``).
+the labels are already the targets (``labels = tokens[:, 1:]``). One-dimensional labels are one
+class per example (a classifier's ``y``), not a sequence: every one is a target, whatever
+``shift`` says (shifted, a batch of 32 counted 31, and a batch of 1 none).
 """
 
 from __future__ import annotations
@@ -29,5 +31,5 @@ def supervised_tokens(
     """
     import torch
 
-    targets = labels[..., 1:] if shift else labels
+    targets = labels[..., 1:] if shift and labels.dim() > 1 else labels
     return targets.ne(ignore_index).sum(dtype=torch.float64)

@@ -85,12 +85,13 @@ class Counting:
             array = labels.numpy()
         except (AttributeError, RuntimeError, TypeError):  # not a plain CPU tensor
             return float(self.on_device(labels).item())
-        return float(numpy.count_nonzero(self.supervised(array)))
+        return float(numpy.count_nonzero(self.supervised(array, array.ndim)))
 
-    def supervised(self, array: numpy.ndarray) -> numpy.ndarray:
+    def supervised(self, array: numpy.ndarray, label_dims: int) -> numpy.ndarray:
         """Which labels of a numpy array are targets (True), along its last axis: leading axes
-        stay, so stacked labels of many windows are judged in one operation."""
-        targets = array[..., 1:] if self.shift else array
+        stay, so stacked labels of many windows are judged in one operation. ``label_dims``: the
+        dimensions of one window's labels (1: one class per example, never shifted)."""
+        targets = array[..., 1:] if self.shift and label_dims > 1 else array
         flags: numpy.ndarray = targets != self.ignore_index
         return flags
 
@@ -295,7 +296,7 @@ def count_labels(drafts: Sequence[Draft], torch: Any) -> None:
             stacked = torch.stack([labels for _, _, labels in members]).numpy()
         except (RuntimeError, TypeError):  # on a device, or needs grad
             continue
-        flags = counting.supervised(stacked).reshape(len(members), -1)
+        flags = counting.supervised(stacked, len(shape)).reshape(len(members), -1)
         counts = numpy.count_nonzero(flags, axis=1).tolist()
         for (microbatches, index, _), count in zip(members, counts, strict=True):
             loss, _, _ = microbatches[index]

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import numpy
 import pytest
 
 from collectors import (
@@ -44,6 +45,7 @@ from collectors.ring import PinnedRing, RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
 from collectors.transport import Delivery, TransportConfig
+from collectors.window import Counting
 from collectors.wire import Record
 from policies.checkpoints import manifest_digest
 from tests.adapters_support import ROLLBACK, directed_hook
@@ -108,6 +110,18 @@ def test_supervised_tokens_drop_the_shifted_first_label_and_the_ignore_index() -
     assert float(supervised_tokens(labels)) == 4
     assert float(supervised_tokens(labels, shift=False)) == 5
     assert float(supervised_tokens(labels, shift=False, ignore_index=7)) == 7
+
+
+def test_one_dimensional_labels_are_one_class_per_example_and_never_shifted() -> None:
+    """A classifier's ``y`` (32 examples): 32 targets, not 31, and a batch of one is one, not none;
+    on the device, on the host, and stacked over windows alike."""
+    y = torch.tensor([3, -100, 1, 0])
+    assert float(supervised_tokens(y)) == 3 and float(supervised_tokens(torch.tensor([7]))) == 1
+    counting = Counting(shift=True, ignore_index=-100)
+    assert counting.count(y) == 3 and counting.count(torch.tensor([7])) == 1
+    stacked = numpy.stack([y.numpy(), y.numpy()])
+    assert numpy.count_nonzero(counting.supervised(stacked, 1), axis=1).tolist() == [3, 3]
+    assert counting.count(torch.tensor([[5, 6, -100, 7]])) == 2  # a sequence is still shifted
 
 
 def test_supervised_tokens_stay_on_the_device_as_exact_float64() -> None:
