@@ -1,8 +1,11 @@
 """An Accelerate custom training loop written as Hugging Face's own examples are, with runhealth
 attached: ``accelerate/examples/complete_nlp_example.py`` and ``by_feature/checkpointing.py``.
 
-    accelerate launch --cpu --num_processes 2 accelerate_hooked.py --checkpointing_steps 10
-    accelerate launch --cpu --num_processes 2 accelerate_hooked.py --resume_from_checkpoint step_20
+    torchrun --nproc_per_node 2 accelerate_hooked.py --checkpointing_steps 10
+    torchrun --nproc_per_node 2 accelerate_hooked.py --resume_from_checkpoint step_20
+
+(``accelerate launch --multi_gpu --num_processes 2`` does the same on a CPU-only host;
+``--cpu`` would start one process.)
 
 An ``Accelerator`` with gradient accumulation; ``accelerator.prepare(model, optimizer,
 train_dataloader, lr_scheduler)``; ``with accelerator.accumulate(model)``, ``accelerator.backward``,
