@@ -1,16 +1,16 @@
 """An Accelerate custom training loop with runhealth attached by the README's recipe
 (``tests/trainers/accelerate_hooked.py``: ``accelerator.prepare``, ``accumulate``,
 ``clip_grad_norm_`` on the updating microbatch, ``save_state("step_N")`` relative to the working
-directory), under ``torchrun`` on gloo, with the embedded service (no ``RUNHEALTH_URL``).
+directory), under ``torchrun`` (4 gloo ranks), with the embedded service (no ``RUNHEALTH_URL``).
 
 A NaN on rank 1 at update 23: the service holds every rank, proposes a rollback to ``step_20``,
 an operator approves it with ``runhealth approve ID --db runhealth.db``, every rank restores the
-folder with ``accelerator.load_state`` through ``handle_rollback``, skips to its place with
-``skip_first_batches``, trains on, and the resume verifies. Each of the three defects this found
-fails it: the prepared (wrapped) optimizer took no step hooks, so no update was counted and
-every window looked like a skipped update; the prepared scheduler made ``rh.resumed`` raise, so
-no resume was recorded and the incident stayed open; a save inside ``rh.windows()`` recorded the
-consumed count one window short, so the resume was a data cursor mismatch against it.
+folder with ``accelerator.load_state`` through ``handle_rollback`` (step 20 starts an epoch:
+nothing to skip), trains on, and the resume verifies. Each of the three defects this found fails
+it: the prepared (wrapped) optimizer took no step hooks, so no update was counted and every
+window looked like a skipped update; the prepared scheduler made ``rh.resumed`` raise, so no
+resume was recorded; a save inside ``rh.windows()`` recorded the checkpoint's consumed count one
+window short, and the rollback carried that count on.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ require_module("transformers")
 pytestmark = pytest.mark.slow
 
 TRAINER = REPO / "tests" / "trainers" / "accelerate_hooked.py"
-WORLD = 2
+WORLD = 4
 RUN = "accelerate-nan"
 EXAMPLES_PER_UPDATE = 4 * 2 * WORLD  # per-device batch x accumulation x ranks
 
@@ -114,7 +114,7 @@ def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_r
 
     (incident,) = [i for i in run_rows(db, "incidents", RUN) if i["kind"] != "straggler"]
     assert (incident["kind"], incident["first_step"], incident["status"]) == ("nonfinite", 23, "resolved")
-    # Two ranks on two cores beside other work: a straggler warning about the host is allowed
+    # Four ranks on two cores beside other work: a straggler warning about the host is allowed
     # (as in tests/test_attach_recipes.py); nothing else, and nothing after the rollback.
     findings = [f for f in run_rows(db, "findings", RUN) if not f["kind"].startswith("straggler")]
     assert {f["kind"] for f in findings} == {"nonfinite"}, findings
