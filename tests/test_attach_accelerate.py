@@ -76,11 +76,17 @@ def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_r
         assert proposal["target"]["path"] == str(tmp_path / "step_20")  # made absolute by the hook
         approved = cli(tmp_path, "approve", str(proposal["id"]), "--db", str(db), "--reason", "NaN at 23")
         assert approved["ok"], approved
-        job.wait(timeout=240)
+        job.wait(timeout=240)  # a TimeoutExpired ends the job below
     finally:
         if job.poll() is None:
-            job.kill()  # a test that failed early: its job, by PID
-            job.wait()
+            # A test that failed early: its job, by PID. SIGTERM first: torchrun then ends its
+            # workers, which a SIGKILL of the launcher alone leaves running.
+            job.terminate()
+            try:
+                job.wait(30)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait()
     assert job.returncode == 0, tail(log_path)
 
     steps = run_rows(db, "step_records", RUN)
