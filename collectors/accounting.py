@@ -536,7 +536,13 @@ class WindowAccounting:
         """The step ran. With a GradScaler, an optimizer that handles AMP scaling itself (fused
         Adam, AdamW, SGD) is stepped even when the gradients overflowed, and skips the update
         inside its kernel: the scaler's found-inf flag (set on the optimizer for the step) says
-        which. On the CPU it is read at once; on a device it travels through the ring."""
+        which. On the CPU it is read at once; on a device it travels through the ring.
+
+        From here heartbeats say ``data``, between updates: what a loop does after its update
+        and before its next window (the scheduler, logging, an evaluation, a checkpoint written
+        inside ``rh.windows()``, as Hugging Face's examples save) is not a training phase, whose
+        hang timeout is 10 learned steps (a 15 s ``save_state`` was a critical hang). Only the
+        heartbeat's phase changes: the window's timings still end at ``window_end``."""
         try:
             window = self.window
             if window is None:
@@ -547,6 +553,7 @@ class WindowAccounting:
                 window.updates += 1
             else:
                 self._count_flagged_update(window, flag)
+            self.phases.current = (DATA, time.perf_counter(), None)
         except Exception:
             self.faults.record("_after_optimizer_step")
 

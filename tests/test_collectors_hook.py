@@ -383,6 +383,38 @@ def test_a_declared_save_is_its_own_phase_in_the_heartbeats_and_not_in_the_windo
     assert len(transport.records("step")) == 2 and rh.counters["hook_errors"] == 0
 
 
+def test_after_the_update_heartbeats_say_data_while_the_window_stays_open(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """A loop that saves inside ``rh.windows()`` after its update (Hugging Face's examples): the
+    save is not a training phase (its hang timeout would be 10 steps), so heartbeats say ``data``
+    from the optimizer step on, and after a second optimizer's step too; the window is recorded
+    with its updates and its timings as before (the optimizer phase still ends at its end)."""
+    model = TinyLM()
+    first, second = (
+        torch.optim.SGD(model.embed.parameters(), lr=0.1),
+        torch.optim.SGD(model.head.parameters(), lr=0.1),
+    )
+    config = hook_config(tmp_path, heartbeat_interval_s=0.05)
+    with attach(tmp_path, transport, config=config, model=model, optimizer=[first, second]) as rh:
+        batch = torch.randint(0, VOCAB, (2, 6))
+        rh.window_start()
+        loss = lm_loss(model, batch)
+        rh.loss(loss, labels=batch)
+        loss.backward()
+        first.step()
+        assert rh._windows.phases.state.phase == "data"
+        stepped = time.time()
+        threading.Event().wait(0.3)  # writing a checkpoint in the loop
+        second.step()  # its pre-hook enters the optimizer phase again, its post-hook leaves it
+        threading.Event().wait(0.2)
+        rh.window_end()
+    beats = [b for b in transport.records("heartbeat") if stepped + 0.05 < b["time"] < stepped + 0.3]
+    assert beats and {b["phase"] for b in beats} == {"data"}, beats
+    (step,) = transport.records("step")
+    assert step["step"] == 1 and not step["skipped"] and step["optimizer_s"] >= 0.5, step
+
+
 def test_a_stack_dump_shows_every_thread() -> None:
     release = threading.Event()
     worker = threading.Thread(target=release.wait, name="stuck-in-collective")
