@@ -84,7 +84,11 @@ class Situation:
     incident_kind: str
     severity: Severity
     proposal_pending: bool
-    """The proposal waits for an operator (not escalated: that one names nothing to approve)."""
+    """The proposal waits for a person: pending, or escalated. An escalation names nothing to
+    approve yet, but the run must not train on meanwhile: a NaN judged before its checkpoint's
+    manifest landed escalates "no valid checkpoint", and a trainer that saves over one file
+    (nanoGPT, the DDP tutorial) then writes the NaN weights over the checkpoint a rollback would
+    need, before the rollback that supersedes the escalation can be proposed."""
     auto_approved: bool
     """The auto-approve policy decides it at once: there is nothing to wait for."""
     run_live: bool

@@ -199,6 +199,46 @@ def test_a_spike_a_late_rank_makes_critical_is_held_then_and_once(
     assert len(directives_of(store, "hold")) == 1
 
 
+def test_a_nan_before_any_checkpoint_escalates_and_is_held_until_a_person_decides(
+    store: Engine, run: RunHandle
+) -> None:
+    """No checkpoint yet (or its manifest still hashing): the proposal escalates. The run must not
+    train on meanwhile, saving NaN weights over the checkpoint a rollback would need: the hold
+    goes out with the escalation, and a rejection releases it."""
+    service = held_service(store, Clock(), nonfinite="hold")
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(service, run, spiky_windows(range(1, NAN_AT)))
+    post(service, run, nan_windows(range(NAN_AT, NAN_AT + 3), False, lambda a: a))
+    post(service, run, spiky_windows(range(NAN_AT + 3, NAN_AT + 10)))
+    proposal = the_proposal(store, run)
+    assert (proposal["action"], proposal["status"]) == ("escalate", "escalated")
+    (hold,) = directives_of(store, "hold")
+    assert hold["payload"]["proposal"] == proposal["id"] and hold["incident_id"] == proposal["incident"]
+    assert service.decisions.reject(proposal["id"], "alice", "no checkpoint: restart from scratch").ok
+    (release,) = directives_of(store, "release")
+    assert release["payload"]["hold"] == hold["id"] and release["payload"]["reason"] == "rejected"
+
+
+def test_the_rollback_that_supersedes_a_held_escalation_keeps_the_hold_until_approved(
+    store: Engine, run: RunHandle, tmp_path: Path
+) -> None:
+    service = held_service(store, Clock(), nonfinite="hold")
+    post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])
+    post(service, run, spiky_windows(range(1, NAN_AT)))
+    post(service, run, nan_windows(range(NAN_AT, NAN_AT + 3), False, lambda a: a))
+    escalated = the_proposal(store, run)
+    post(service, run, [checkpoint(tmp_path, 20)])  # its manifest lands after the NaN was judged
+    rollback = the_proposal(store, run)
+    assert (rollback["action"], rollback["status"], rollback["target"]["step"]) == ("rollback", "pending", 20)
+    assert rollback["id"] != escalated["id"] and rollback["incident"] == escalated["incident"]
+    (hold,) = directives_of(store, "hold")
+    assert directives_of(store, "release") == []  # superseding did not let the ranks go
+    assert service.decisions.approve(rollback["id"], "alice", "roll back").ok
+    (held,) = directives_of(store, "hold")
+    assert held["id"] == hold["id"] and held["payload"]["released"]["reason"] == "approved"
+    assert directives_of(store, "release") == []  # the rollback's own directive stops the held ranks
+
+
 def test_a_finished_incarnation_is_not_held(store: Engine, run: RunHandle, tmp_path: Path) -> None:
     service = held_service(store, Clock(), nonfinite="hold")
     post(service, run, [{"kind": "run_start", "incarnation": INCARNATION, "time": 100.0, "world_size": 2}])

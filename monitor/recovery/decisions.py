@@ -289,7 +289,7 @@ class Decisions:
         responses_config = self._config.responses
         if incident["severity"] != "critical" or responses_config.for_kind(incident["kind"]) is Response.NONE:
             return
-        if live.status != ProposalStatus.PENDING:
+        if live.status not in proposal_lifecycle.AWAITING_DECISION:
             return
         responses.hold_if_configured(
             connection, incident, live.id, True, False, responses_config, self._clock()
@@ -368,7 +368,7 @@ class Decisions:
             reason="; ".join(proposal.reasons),
             details={"proposal": view_of(connection, proposal_id)},
         )
-        pending = status is ProposalStatus.PENDING
+        pending = status in proposal_lifecycle.AWAITING_DECISION  # an escalation waits for a person too
         responses.hold_if_configured(
             connection, incident, proposal_id, pending, proposal.auto_approve, self._config.responses, now
         )
