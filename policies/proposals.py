@@ -100,7 +100,10 @@ def propose(
     elif target is None:
         action = "quarantine" if hardware else "escalate"
         reasons.insert(0, f"no valid, finite checkpoint before step {incident.first_step}")
-        reasons[1:1] = _overwritten_after(checkpoints, incident, incident.kind)
+        reasons[1:1] = [
+            *_overwritten_after(checkpoints, incident, incident.kind),
+            _why_none(checkpoints, incident.first_step, unsafe),
+        ]
     else:
         reasons.insert(
             0,
@@ -123,6 +126,21 @@ def propose(
         rejected_checkpoints=rejected_reasons(checkpoints, incident.first_step, unsafe),
         auto_approve=action == "rollback" and incident.kind in config.auto_approve,
     )
+
+
+def _why_none(checkpoints: tuple[CheckpointFacts, ...], first_step: int, unsafe: dict[int, str]) -> str:
+    """What the operator needs at once when nothing can be rewound to: whether no save was
+    recorded yet (a save is recorded once its files are hashed, a second or more after it, and
+    the incident is decided again when one lands) or every one was refused, and why."""
+    before = sorted((c for c in checkpoints if c.step < first_step), key=lambda c: c.step)
+    if not before:
+        return (
+            f"no checkpoint before step {first_step} is recorded yet: a save is recorded once its "
+            "files are hashed, and this is proposed again when one lands"
+        )
+    refused = rejected_reasons(before, first_step, unsafe)
+    listed = "; ".join(f"step {c.step}: {refused.get(c.key, 'not usable')}" for c in before[-3:])
+    return f"{len(before)} checkpoint(s) before step {first_step}, none usable ({listed})"
 
 
 def _overwritten_after(

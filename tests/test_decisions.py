@@ -76,6 +76,7 @@ def test_a_checkpoint_recorded_after_the_incident_replaces_its_escalation_once(
         (escalated,) = list_proposals(connection, run.name)
     assert (escalated["action"], escalated["status"]) == ("escalate", "escalated")
     assert "no valid, finite checkpoint before step 65" in escalated["evidence"]["reasons"][0]
+    assert "no checkpoint before step 65 is recorded yet" in escalated["evidence"]["reasons"][1]
 
     landed = checkpoint(tmp_path, 60)
     post(service, run, [landed])

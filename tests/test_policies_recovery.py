@@ -210,6 +210,27 @@ def test_an_escalation_names_the_good_checkpoint_a_save_after_the_fault_wrote_ov
     assert shifted is not None and shifted.reasons[1].endswith("keep each checkpoint under its own name")
 
 
+def test_an_escalation_says_whether_no_save_was_recorded_yet_or_why_each_was_refused() -> None:
+    """At 3 AM "no valid checkpoint" is not enough: a save not recorded yet (its files are hashed
+    first) is proposed again when it lands; refused ones are named with their reasons."""
+    nan = IncidentFacts(key=4, kind="nonfinite", first_step=121, last_step=140, current_step=160)
+    none_yet = propose(nan, (), {}, diagnose(Evidence()), ALLOWED, ProposalConfig())
+    assert none_yet is not None and none_yet.action == "escalate"
+    assert none_yet.reasons[1] == (
+        "no checkpoint before step 121 is recorded yet: a save is recorded once its files are "
+        "hashed, and this is proposed again when one lands"
+    )
+    unhashed = CheckpointFacts(key=1, step=80, path="snapshot.pt", valid=None)
+    tampered = CheckpointFacts(
+        key=2, step=100, path="c/100", valid=False, problems=("model.pt: sha256 differs",)
+    )
+    refused = propose(nan, (tampered, unhashed), {}, diagnose(Evidence()), ALLOWED, ProposalConfig())
+    assert refused is not None and refused.reasons[1] == (
+        "2 checkpoint(s) before step 121, none usable "
+        "(step 80: not validated; step 100: invalid: model.pt: sha256 differs)"
+    )
+
+
 def test_no_rollback_for_kinds_it_cannot_help_and_auto_approve_is_opt_in() -> None:
     straggler = IncidentFacts(key=1, kind="straggler", first_step=10, last_step=10, current_step=12)
     assert propose(straggler, CHECKPOINTS, {}, diagnose(Evidence()), ALLOWED, ProposalConfig()) is None
