@@ -64,7 +64,7 @@ from collections.abc import Mapping
 from typing import Any
 
 try:
-    from accelerate.optimizer import AcceleratedOptimizer
+    import accelerate  # noqa: F401  the Trainer needs it: said here, at import
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - exercised by the no-transformers check
@@ -129,13 +129,9 @@ class RunHealthCallback(TrainerCallback):
         if self._owned and self._closed:  # another train() after one ended: a new incarnation
             self.rh, self._closed = RunHealth(), False
             self.faults = self.rh.faults
-        # The AcceleratedOptimizer carries the GradScaler accelerate made (fp16), or None.
-        self.rh.watch(
-            model=model,
-            optimizer=inner_optimizer(optimizer),
-            scaler=getattr(optimizer, "scaler", None),
-            scheduler=lr_scheduler,
-        )
+        # The hook unwraps the AcceleratedOptimizer and takes the GradScaler it carries
+        # (``collectors.wrappers``, ``WindowAccounting.watch``).
+        self.rh.watch(model=model, optimizer=optimizer, scheduler=lr_scheduler)
         # The batch the Trainer runs (for the service's batch arithmetic on resume).
         self.rh.declare_batch(
             micro_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps
@@ -369,13 +365,6 @@ class RunHealthCallback(TrainerCallback):
             consumed=consumed,
             extra={"global_step": state.global_step, "ignore_data_skip": bool(args.ignore_data_skip)},
         )
-
-
-def inner_optimizer(optimizer: Any) -> Any:
-    """The optimizer accelerate wraps: the one whose step (and step hooks) run on an update."""
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def output_loss(output: Any, labels: Any) -> Any:
