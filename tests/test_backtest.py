@@ -280,7 +280,7 @@ def test_an_unreadable_file_is_one_line(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "x.csv"
     if kind == "directory":
         path.mkdir()
-        expected = "it is a directory"
+        expected = "it is a directory, and no TensorBoard event file (*tfevents*) is under it"
     elif kind == "mode 000":
         if os.geteuid() == 0:
             pytest.skip("root reads a file of mode 000 (tests/test_cli.py simulates the refusal)")

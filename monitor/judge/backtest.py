@@ -250,6 +250,7 @@ def open_series_file(path: Path, mapping: Mapping[str, str]) -> SeriesFile:
     if path.suffix.lower() == ".txt" and not _names_a_step(text.columns, mapping):
         text = open_log_file(path) or text  # a printed log saved as .txt; else refused as a table
     fields = layout(text.columns, mapping)
+    fields = replace(fields, notes=text.notes + fields.notes)
     return SeriesFile(text, fields, _ranks_by_run(text, fields))
 
 

@@ -1,5 +1,5 @@
-"""A recorded series file (CSV, JSONL, or a training log: ``log_lines``) read in bounded memory,
-for ``runhealth backtest``.
+"""A recorded series file (CSV, JSONL, a training log: ``log_lines``, or TensorBoard event files:
+``tfevents``) read in bounded memory, for ``runhealth backtest``.
 
 The file is first checked as bytes, a megabyte at a time: a NUL byte means it is not a text log
 (a binary file, or the zeros a crashed writer preallocated), and a line longer than
@@ -25,6 +25,7 @@ from typing import Any
 import polars as pl
 
 from monitor.judge.log_lines import LOG_SUFFIXES, log_rows
+from monitor.judge.tfevents import EventFileError, RecordEnd, event_runs, event_scalars, is_event_file
 
 CHUNK_BYTES = 1 << 20
 LINE_LIMIT_BYTES = 1 << 20
@@ -62,21 +63,32 @@ class TextFile:
     """The CSV's separator; ``None`` for a file read a row at a time (``rows``)."""
     rows: Rows | None = None
     """JSONL's lines, or a log's training lines (``log_lines``), as rows of text."""
+    sparse: bool = False
+    """Each row holds a few of the columns (an event file's row is one event, most often one
+    tag): a row with none of the columns read but its step and run is left out, so the steps of
+    a tag not read (Keras' ``epoch_loss``, logged by epoch beside per-batch tags) cannot look
+    like a restart."""
+    notes: tuple[str, ...] = ()
+    """What reading the file found that the report should say (an event file cut short)."""
 
     def batches(self, columns: Sequence[str]) -> Iterator[pl.DataFrame]:
         """The file's rows in order, a block (CSV) or ``BATCH_ROWS`` (JSONL) at a time,
         ``columns`` only, all as text."""
         with reading(self.path, self.separator, len(self.columns)):
             if self.separator is None:
-                yield from _row_batches((self.rows or _jsonl_rows)(self.path), columns)
+                rows = (self.rows or _jsonl_rows)(self.path)
+                values = [name for name in columns if name not in STRUCTURAL_COLUMNS]
+                if self.sparse and values:
+                    rows = (row for row in rows if any(name in row for name in values))
+                yield from _row_batches(rows, columns)
                 return
             for block in _csv_blocks(self.path):
                 yield pl.read_csv(block, infer_schema=False, separator=self.separator, columns=list(columns))
 
 
 def open_text_file(path: Path) -> TextFile:
-    if path.is_dir():
-        raise BacktestError(f"cannot read {path}: it is a directory")
+    if path.is_dir() or (is_event_file(path) and path.is_file()):
+        return open_event_files(path)
     if not path.exists():
         raise BacktestError(f"no such file: {path}")
     if not path.is_file():  # a pipe or a device: it cannot be read twice, and may never end
@@ -85,7 +97,8 @@ def open_text_file(path: Path) -> TextFile:
     known = (*CSV_SEPARATORS, *JSONL_SUFFIXES, *LOG_SUFFIXES, TRAINER_STATE_SUFFIX)
     if suffix not in known:
         raise BacktestError(
-            f"{path}: expected a .csv, .tsv or .jsonl file, a training log (.log, .out) or a trainer_state.json"
+            f"{path}: expected a .csv, .tsv or .jsonl file, a training log (.log, .out), a trainer_state.json "
+            "or TensorBoard event files (events.out.tfevents.*, or a directory of them)"
         )
     check_bytes(path)
     if suffix == TRAINER_STATE_SUFFIX:
@@ -115,6 +128,53 @@ def open_log_file(path: Path) -> TextFile | None:
     with reading(path, None, None):
         columns = dict.fromkeys(key for row in log_rows(path) for key in row)
     return TextFile(path, tuple(columns), None, log_rows) if columns else None
+
+
+def open_event_files(path: Path) -> TextFile:
+    """TensorBoard event files (``tfevents``): one file, or every one under a directory, a run
+    per directory that holds them (a ``run`` column when there are several), evaluation
+    directories left out. One pass here finds the tags (the columns) and any file cut short."""
+    runs = event_runs(path)
+    if not runs.files:
+        where = f"; only evaluation runs ({', '.join(runs.left_out)})" if runs.left_out else ""
+        raise BacktestError(
+            f"cannot read {path}: it is a directory, and no TensorBoard event file (*tfevents*) is under it{where}"
+        )
+    columns = dict.fromkeys(("step", "run") if len(runs.files) > 1 else ("step",))
+    ends: dict[Path, RecordEnd] = {}
+    with reading(path, None, None):
+        for row in _event_rows(path, ends):
+            columns.update(dict.fromkeys(row))
+    notes = [f"left out evaluation runs: {', '.join(runs.left_out)}"] if runs.left_out else []
+    notes += [
+        f"{file}: read up to byte {end.cut_at}: {end.reason}"
+        for file, end in ends.items()
+        if end.cut_at is not None
+    ]
+    return TextFile(path, tuple(columns), None, _event_rows, sparse=True, notes=tuple(notes))
+
+
+STRUCTURAL_COLUMNS = ("step", "run")
+"""An event row's own columns; a tag of either name is left out (the event's step is the step)."""
+
+
+def _event_rows(path: Path, ends: dict[Path, RecordEnd] | None = None) -> Iterator[dict[str, str | None]]:
+    """Every event with a scalar, run after run and file after file in the order written, as a
+    row of its step, its run (when there are several) and its tags' values."""
+    runs = event_runs(path)
+    several = len(runs.files) > 1
+    for run, files in runs.files.items():
+        for file in files:
+            end = (ends if ends is not None else {}).setdefault(file, RecordEnd())
+            try:
+                for step, scalars in event_scalars(file, end):
+                    row: dict[str, str | None] = {"step": str(step), **({"run": run} if several else {})}
+                    row.update(
+                        (tag, repr(value)) for tag, value in scalars.items() if tag not in STRUCTURAL_COLUMNS
+                    )
+                    yield row
+            except EventFileError as exc:
+                raise BacktestError(f"cannot read {file}: {exc}") from exc
 
 
 def check_bytes(path: Path) -> None:
