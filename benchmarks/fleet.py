@@ -90,6 +90,7 @@ class Load:
     fault_every: int
     poll_s: float
     max_lag_s: float
+    ask_directives: bool = False
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -381,6 +382,7 @@ def run_stage(load: Load, store: Store, workdir: Path) -> dict[str, Any]:
             seconds=load.seconds,
             fault=fault,
             threads=load.threads,
+            ask_directives=load.ask_directives,
         )
         watch = Watch()
         watcher = threading.Thread(
@@ -587,6 +589,7 @@ def summarize(
         "total_ranks": total_ranks,
         "replicas": load.replicas,
         "ranks_per_batch": load.ranks_per_batch,
+        "ask_directives": load.ask_directives,
         "flush_s": load.flush_s,
         "seconds": load.seconds,
         "batches": len(batches),
@@ -694,6 +697,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--ranks", type=int, default=1024, help="ranks per run (find-max: the first stage's)")
     parser.add_argument("--ranks-per-batch", type=int, default=1, help="ranks whose records share a batch")
+    parser.add_argument(
+        "--ask-directives", action="store_true",
+        help="each post asks for its ranks' directives, as the hook (one rank) and a node relay (several) do",
+    )  # fmt: skip
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--senders", type=int, default=1, help="sender processes")
     parser.add_argument("--threads", type=int, default=16, help="posting threads per sender process")
@@ -731,6 +738,7 @@ def main(argv: list[str] | None = None) -> None:
         runs=args.runs,
         ranks=args.ranks,
         ranks_per_batch=args.ranks_per_batch,
+        ask_directives=args.ask_directives,
         replicas=args.replicas,
         senders=args.senders,
         threads=args.threads,

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlencode
 
 # Precomputed values, indexed by a hash of (rank, attempt): the loss, grad norm and forward time
 # move from window to window by about 1%, like a healthy run's, so the engine's robust
@@ -180,6 +181,9 @@ class Plan:
     seconds: float
     fault: Fault | None
     threads: int
+    ask_directives: bool = False
+    """Each post asks for its ranks' pending directives, as the hook (one rank: ``rank``) and a
+    node relay (its ranks: ``ranks``) do."""
 
 
 @dataclass
@@ -224,6 +228,10 @@ class _PosterState:
             RankTemplates.of(incarnation, r) for r in range(poster.first_rank, poster.last_rank)
         ]
         self.path = f"/v1/runs/{poster.run}/records"
+        if plan.ask_directives:
+            ranks = range(poster.first_rank, poster.last_rank)
+            asked = [("rank", r) for r in ranks] if len(ranks) == 1 else [("ranks", r) for r in ranks]
+            self.path += "?" + urlencode([("incarnation", incarnation), *asked])
         self.last_attempt = 0
         self.next_heartbeat = plan.started_at + poster.offset_s
         self.next_device = plan.started_at + poster.offset_s

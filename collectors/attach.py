@@ -12,6 +12,7 @@ import socket
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +23,7 @@ from collectors.config import RunHealthConfig, default_run_name, launcher_run_na
 from collectors.counters import Counters
 from collectors.embedded import EmbeddedService, Endpoint, store_path
 from collectors.layout import Identity
+from collectors.relay import NodeRelay, RelayTransport, local_world_size, node_key
 from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, Transport
 from collectors.spool import MemorySpool, Spool
@@ -59,6 +61,12 @@ class Destination:
     service: EmbeddedService | None = None
     ranks: int = 1
     rendezvous: Rendezvous | None = None
+    relay: NodeRelay | None = None
+    """The node's relay, when this rank (local rank 0) runs it."""
+    relay_url: str | None = None
+    """Where this rank sends: its node's relay (every rank of the node, local rank 0 too)."""
+    grid_phase_s: float | None = None
+    """The phase of the node's flush grid, when it sends through a relay."""
 
 
 def configured(config: RunHealthConfig) -> Destination:
@@ -94,6 +102,49 @@ def embedded(
         ranks=collectives.world_size,
         rendezvous=rendezvous,
     )
+
+
+def node_relay(
+    config: RunHealthConfig,
+    identity: Identity,
+    run: str,
+    destination: Destination,
+    environ: Mapping[str, str],
+    rendezvous: Rendezvous | None,
+    counters: Counters,
+) -> Destination:
+    """Local rank 0 starts its node's relay and the node's other ranks find it through the
+    job's c10d store; every rank of the node then sends through it (``collectors.relay``).
+    Only where the launcher says the node has several ranks and the job has a store."""
+    ranks_here = local_world_size(environ)
+    if (
+        not config.relay.enabled
+        or destination.url is None
+        or rendezvous is None
+        or identity.local_rank is None
+        or ranks_here is None
+        or ranks_here < 2
+    ):
+        return destination
+    key = node_key(environ, identity.node)
+    relay, url = None, None
+    if identity.local_rank == 0:
+        upstream = replace(config.transport, url=destination.url, token=destination.token, run=run)
+        reason = ""
+        try:
+            relay = NodeRelay(config.relay, upstream, ranks_here, counters)
+            url = relay.start()
+        except Exception as exc:  # the node's ranks must learn of it and send directly
+            log.error("runhealth: the node relay did not start (%s); each rank sends directly", exc)
+            relay, reason = None, str(exc)
+        rendezvous.publish_relay(key, url, reason)
+    else:
+        url = rendezvous.relay(key, config.embedded.start_timeout_s + 30.0)
+    if url is None:
+        return destination
+    # Nodes flush at different phases, so the service is not asked by every node at once.
+    phase = zlib.crc32(key.encode()) % 1000 / 1000 * config.sender.flush_interval_s
+    return replace(destination, relay=relay, relay_url=url, grid_phase_s=phase)
 
 
 def start_service(
@@ -149,9 +200,11 @@ def build_sender(
     if transport is None and destination.url is None:
         transport = Unreachable()
     elif transport is None:
-        transport = HttpTransport(
-            replace(config.transport, url=destination.url, token=destination.token, run=ids.run)
-        )
+        upstream = replace(config.transport, url=destination.url, token=destination.token, run=ids.run)
+        if destination.relay_url is not None:
+            transport = RelayTransport(destination.relay_url, upstream, config.relay, counters)
+        else:
+            transport = HttpTransport(upstream)
     spool = open_spool(config, ids.run, spool_name(identity, ids.incarnation), counters)
     return Sender(
         config.sender,
@@ -163,6 +216,7 @@ def build_sender(
         directives=directives,
         prepare=prepare_batch,
         seed=rank_seed(ids.run, ids.incarnation, identity.rank),  # ranks back off apart
+        grid_phase_s=destination.grid_phase_s,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from collectors.directives import DirectiveConfig
 from collectors.embedded import EmbeddedConfig
 from collectors.readers import ReadersConfig
+from collectors.relay import RelayConfig
 from collectors.ring import RingConfig
 from collectors.sender import SenderConfig
 from collectors.spool import SpoolConfig
@@ -104,6 +105,7 @@ class RunHealthConfig:
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     directives: DirectiveConfig = field(default_factory=DirectiveConfig)
     readers: ReadersConfig = field(default_factory=ReadersConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     @classmethod
     def from_environ(

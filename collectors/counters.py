@@ -19,6 +19,9 @@ COUNTER_NAMES = (
     "hook_errors",  # exceptions caught at a hook entry point
     "ring_waits",  # windows whose values the host had to wait for (device far behind)
     "spool_unreadable",  # spool lines that could not be parsed (a torn write), skipped
+    "relay_posts",  # local rank 0: requests its node relay made to the service
+    "relay_batches",  # local rank 0: the node's batches those requests carried
+    "relay_bypassed",  # batches this rank sent directly because its node's relay did not answer
 )
 
 

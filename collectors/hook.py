@@ -185,12 +185,22 @@ class RunHealth:
         self.run = ids.run
         if ids.by_start_time and self.identity.rank == 0:
             self._events.run_named_at_start = ids.run  # a resume says what that costs, once
+        rendezvous = Rendezvous.of_job(torch, ids.incarnation)
         if self.config.transport.url or self._transport is not None:
             self._destination = attach.configured(self.config)
         else:
-            rendezvous = Rendezvous.of_job(torch, ids.incarnation)
             self._destination = attach.embedded(
                 self.config, self.identity, ids.run, self._collectives, self._environ, rendezvous
+            )
+        if self._transport is None:
+            self._destination = attach.node_relay(
+                self.config,
+                self.identity,
+                ids.run,
+                self._destination,
+                self._environ,
+                rendezvous,
+                self._counters,
             )
         self._sender: Sender = attach.build_sender(
             self.config,
@@ -288,6 +298,8 @@ class RunHealth:
         destination = self._destination
         if destination is None:
             return
+        if destination.relay is not None:  # this rank's own records went through it already
+            destination.relay.stop()
         rendezvous = destination.rendezvous
         if rendezvous is not None:
             rendezvous.done()

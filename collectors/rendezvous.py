@@ -41,14 +41,8 @@ class Rendezvous:
 
     def endpoint(self, timeout_s: float) -> Endpoint | None:
         """Every other rank: what rank 0 published, waiting at most ``timeout_s``."""
-        key = self._prefix + "service"
-        try:
-            self._store.wait([key], timedelta(seconds=timeout_s))
-            document = json.loads(self._store.get(key))
-        except Exception as exc:  # c10d raises its own error types for a timeout or a lost store
-            log.error(
-                "runhealth: rank 0 published no service in %.0f s (%s); spooling to disk", timeout_s, exc
-            )
+        document = self._read("service", timeout_s, "rank 0 published no service", "spooling to disk")
+        if document is None:
             return None
         if "error" in document:
             log.error(
@@ -56,6 +50,17 @@ class Rendezvous:
             )
             return None
         return Endpoint(url=document["url"], token=document["token"])
+
+    def _read(self, name: str, timeout_s: float, missing: str, then: str) -> dict[str, Any] | None:
+        """A published document, waiting at most ``timeout_s`` (None, said once, past it)."""
+        key = self._prefix + name
+        try:
+            self._store.wait([key], timedelta(seconds=timeout_s))
+            document: dict[str, Any] = json.loads(self._store.get(key))
+        except Exception as exc:  # c10d raises its own error types for a timeout or a lost store
+            log.error("runhealth: %s in %.0f s (%s); %s", missing, timeout_s, exc, then)
+            return None
+        return document
 
     def done(self) -> None:
         """This rank has flushed its records."""
@@ -66,3 +71,20 @@ class Rendezvous:
 
     def finished(self, ranks: int) -> bool:
         return int(self._store.add(self._prefix + "done", 0)) >= ranks
+
+    def publish_relay(self, node: str, url: str | None, reason: str) -> None:
+        """Local rank 0: its node's relay (``collectors.relay``), or why there is none."""
+        document = {"url": url} if url else {"error": reason}
+        self._store.set(f"{self._prefix}relay/{node}", json.dumps(document))
+
+    def relay(self, node: str, timeout_s: float) -> str | None:
+        """The other ranks of the node: the relay's URL, or None (they send directly)."""
+        document = self._read(
+            f"relay/{node}", timeout_s, "no relay published for this node", "sending directly"
+        )
+        url = None if document is None else document.get("url")
+        if document is not None and not url:
+            log.warning(
+                "runhealth: the node's relay did not start (%s); sending directly", document.get("error")
+            )
+        return url if isinstance(url, str) else None

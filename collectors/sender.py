@@ -11,6 +11,7 @@ before it tries again; the batch waits in the spool meanwhile, so a refusal lose
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -107,6 +108,7 @@ class Sender:
         prepare: Callable[[list[Draft]], None] = lambda drafts: None,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        grid_phase_s: float | None = None,
     ) -> None:
         self._config = config
         self._transport = transport
@@ -133,6 +135,10 @@ class Sender:
         )
         self._next_heartbeat = 0.0
         self._logged: set[str] = set()
+        # With a node relay: flushes and heartbeats fall on a grid of the flush interval at this
+        # phase of the (host-wide) monotonic clock, the same for every rank of the node, so the
+        # relay finds the node's batches together. None: every flush interval from the last.
+        self._grid_phase_s = grid_phase_s
 
     @property
     def transport(self) -> Transport:
@@ -205,10 +211,17 @@ class Sender:
 
     def _sleep_s(self) -> float:
         now = self._clock()
-        wait = min(self._config.flush_interval_s, self._next_heartbeat - now)
+        wait = min(self._next_flush(now) - now, self._next_heartbeat - now)
         if self._down_until > now:  # wake when the drawn delay ends, not at the next flush:
             wait = min(wait, self._down_until - now)  # ranks' flushes tick together
         return max(0.0, wait)
+
+    def _next_flush(self, now: float) -> float:
+        """When the next cycle is due: a flush interval on, or the grid's next point."""
+        interval = self._config.flush_interval_s
+        if self._grid_phase_s is None:
+            return now + interval
+        return self._grid_phase_s + (math.floor((now - self._grid_phase_s) / interval) + 1) * interval
 
     # Delivery.
 
@@ -338,6 +351,9 @@ class Sender:
         if now < self._next_heartbeat and not force:
             return
         self._next_heartbeat = now + self._config.heartbeat_interval_s
+        if self._grid_phase_s is not None:  # on the grid, never later than the interval: the
+            # node's heartbeats go in one cycle, together
+            self._next_heartbeat = self._next_flush(self._next_heartbeat - self._config.flush_interval_s)
         record = self._heartbeat()
         if record is None:
             return

@@ -144,6 +144,9 @@ class BatchOut(BaseModel):
     directives: list[DirectiveOut] | None = Field(
         None, description="With `incarnation` and `rank`: what that rank has still to act on."
     )
+    directives_by_rank: dict[str, list[DirectiveOut]] | None = Field(
+        None, description="With `incarnation` and `ranks`: what each of those ranks has still to act on."
+    )
 
 
 class StepOut(BaseModel):

@@ -9,6 +9,7 @@ answers are in its OpenAPI document (``monitor.api.document``).
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Path, Query, Request
@@ -16,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
@@ -133,6 +134,27 @@ def validate_batch(raw: bytes, max_records: int) -> BatchIn | schemas.WholeBatch
     if len(batch.records) > max_records:
         raise ApiError(413, "too_large", f"{len(batch.records)} records is over the limit of {max_records}")
     return batch
+
+
+# A node's ranks, as its relay names them (``collectors.relay``): nodes have 4 to 16 devices.
+MAX_RELAYED_RANKS = 256
+RankNumber = Annotated[int, Field(ge=0, le=protocol.RANK_LIMIT)]
+
+
+@dataclass(frozen=True)
+class RankQuestion:
+    """Whose pending directives a batch's answer carries: one rank's (``directives``), several
+    ranks' (``directives_by_rank``: a node's relay sending for its ranks), both, or none."""
+
+    rank: int | None
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rank: int | None, ranks: list[int] | None) -> RankQuestion:
+        return cls(rank, tuple(dict.fromkeys(ranks or ())))
+
+    def asked(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys((*self.ranks, *(() if self.rank is None else (self.rank,)))))
 
 
 def allowed_methods(request: Request) -> list[str]:
@@ -333,10 +355,12 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         request: Request,
         incarnation: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
         rank: Annotated[int | None, Query(ge=0, le=protocol.RANK_LIMIT)] = None,
+        ranks: Annotated[list[RankNumber] | None, Query(max_length=MAX_RELAYED_RANKS)] = None,
     ) -> Response:
         """Ingest a batch. With ``incarnation`` and ``rank`` the answer also carries what that
         rank has still to act on, as ``GET .../directives`` would (after this batch's acks):
-        a hook that sends every few seconds then needs no separate poll.
+        a hook that sends every few seconds then needs no separate poll. With ``incarnation``
+        and ``ranks`` (a node's relay, sending for its ranks), the same for each of them.
 
         Past the bound of batches in flight the batch is shed first of all, before its token is
         checked (a database read on a worker thread, which a full queue would make it wait for)
@@ -345,11 +369,11 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         if not admission.admit(declared_length(request)):
             return shed(admission.config.retry_after_s, admission.config.max_in_flight_batches)
         try:
-            return await ingest(run, request, incarnation, rank)
+            return await ingest(run, request, incarnation, RankQuestion.of(rank, ranks))
         finally:
             admission.release()
 
-    async def ingest(run: str, request: Request, incarnation: str | None, rank: int | None) -> Response:
+    async def ingest(run: str, request: Request, incarnation: str | None, rank: RankQuestion) -> Response:
         run_id = await run_in_threadpool(require_run, request, run)
         limits = service.config.ingest
         try:
@@ -370,14 +394,21 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         return json_response(answer)
 
     def store_batch(
-        run: str, run_id: int, raw: bytes, incarnation: str | None, rank: int | None
+        run: str, run_id: int, raw: bytes, incarnation: str | None, rank: RankQuestion
     ) -> dict[str, Any]:
         """Validate, store and answer a batch in one trip to a worker thread: each trip there
         and back costs the event loop about as much as validating a one-rank batch."""
         batch = validate_batch(raw, service.config.ingest.max_batch_records)
         answer = service.ingest(run, run_id, batch.records).as_json()
-        if incarnation is not None and rank is not None:
-            answer["directives"] = pending_directives(run_id, incarnation, rank)
+        asked = rank.asked()
+        if incarnation is None or not asked:
+            return answer
+        with service.engine.connect() as connection:
+            pending = directives.pending_for_ranks(connection, run_id, incarnation, asked)
+        if rank.rank is not None:
+            answer["directives"] = pending[rank.rank]
+        if rank.ranks:
+            answer["directives_by_rank"] = {str(number): pending[number] for number in rank.ranks}
         return answer
 
     def pending_directives(run_id: int, incarnation: str, rank: int) -> list[dict[str, Any]]:

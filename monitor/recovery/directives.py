@@ -63,20 +63,48 @@ def create_directive(
 
 def pending_for(connection: Connection, run_id: int, incarnation: str, rank: int) -> list[dict[str, Any]]:
     """The pending directives this rank of this incarnation has not answered yet."""
-    answered = sa.select(ACK.c.directive_id).where(
-        ACK.c.run_id == run_id, ACK.c.incarnation == incarnation, ACK.c.rank == rank
-    )
-    rows = connection.execute(
-        sa.select(DIRECTIVE)
-        .where(
-            DIRECTIVE.c.run_id == run_id,
-            DIRECTIVE.c.status == DirectiveStatus.PENDING.value,
-            sa.or_(DIRECTIVE.c.incarnation.is_(None), DIRECTIVE.c.incarnation == incarnation),
-            DIRECTIVE.c.id.not_in(answered),
+    return pending_for_ranks(connection, run_id, incarnation, (rank,))[rank]
+
+
+def pending_for_ranks(
+    connection: Connection, run_id: int, incarnation: str, ranks: Sequence[int]
+) -> dict[int, list[dict[str, Any]]]:
+    """``pending_for`` for several ranks of one incarnation (a node relay's batch) in two reads
+    at most: the pending directives, then, only when there are some, those ranks' answers."""
+    rows = (
+        connection.execute(
+            sa.select(DIRECTIVE)
+            .where(
+                DIRECTIVE.c.run_id == run_id,
+                DIRECTIVE.c.status == DirectiveStatus.PENDING.value,
+                sa.or_(DIRECTIVE.c.incarnation.is_(None), DIRECTIVE.c.incarnation == incarnation),
+            )
+            .order_by(DIRECTIVE.c.id)
         )
-        .order_by(DIRECTIVE.c.id)
-    ).mappings()
-    return [directive_view(row) for row in rows if row["ranks"] is None or rank in row["ranks"]]
+        .mappings()
+        .all()
+    )
+    answered: set[tuple[int, int]] = set()
+    if rows:
+        answered = {
+            (int(row.rank), int(row.directive_id))
+            for row in connection.execute(
+                sa.select(ACK.c.rank, ACK.c.directive_id).where(
+                    ACK.c.run_id == run_id,
+                    ACK.c.incarnation == incarnation,
+                    ACK.c.rank.in_(sorted(set(ranks))),
+                    ACK.c.directive_id.in_([row["id"] for row in rows]),
+                )
+            )
+        }
+    return {
+        rank: [
+            directive_view(row)
+            for row in rows
+            if (rank, row["id"]) not in answered and (row["ranks"] is None or rank in row["ranks"])
+        ]
+        for rank in ranks
+    }
 
 
 def directive_view(row: Any) -> dict[str, Any]:
