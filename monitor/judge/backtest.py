@@ -110,6 +110,11 @@ COMMON_NAMES: dict[str, tuple[str, ...]] = {
         "train/lm_loss",
         "loss/train",
         "training_loss",
+        # Lightning's self.log(..., on_step=True, on_epoch=True) writes the step's value under
+        # <name>_step and the epoch's mean under <name>_epoch (never read as the loss).
+        "train_loss_step",
+        "train/loss_step",
+        "loss_step",
     ),
     "grad_norm": (
         "grad norm",
@@ -118,6 +123,8 @@ COMMON_NAMES: dict[str, tuple[str, ...]] = {
         "train/grad_norm",
         "gradient_norm",
         "total_grad_norm",
+        "gnorm",  # fairseq
+        "grad_2.0_norm_total",  # Lightning's utilities.grad_norm(module, norm_type=2)
     ),
     "lr": ("learning_rate", "learning rate", "learning-rate", "train/learning_rate", "train/lr"),
     "loss_scale": ("loss scale", "loss-scale", "train/loss_scale", "grad_scale", "scaler/scale"),

@@ -9,6 +9,15 @@ and a signal, the way the common trainers print them, for ``runhealth backtest``
 - llm.c's ``main.log``: ``s:100 trl:3.4915 lr:0.000355 norm:0.27`` (its own short names, read
   only in this shape: ``s:`` the step, ``trl:`` the training loss, ``norm:`` the grad norm;
   ``s:100 tel:...``, its validation loss, is no row)
+- fairseq: ``| train_inner | epoch 001:    100 / 1000 loss=7.123, ..., num_updates=100, lr=...,
+  gnorm=1.2, loss_scale=8, ...`` (``--log-format simple``; ``num_updates`` the step, ``gnorm`` the
+  grad norm), and ``--log-format json``'s ``| train_inner | {"epoch": 1, ..., "loss": "7.123",
+  ..., "num_updates": "100", "lr": ..., "gnorm": ...}``; its epoch averages (``| train |``) and
+  validations (``| valid |``) are no rows
+- a dict printed whole at the end of a line (``dict_row``): the Hugging Face Trainer's
+  ``{'loss': 2.3456, 'grad_norm': 1.23, 'learning_rate': 4.9e-05, 'epoch': 0.01}``, with any
+  prefix (``0: `` from ``srun --label``, a logger's); it names no step, so its steps are counted
+  (``log_rows``); ``eval_*`` dicts and the closing ``train_runtime`` one are no rows
 
 A line is read when it names a step (``iter``, ``iteration``, ``step``, ``global_step``, the
 first such number on it) and at least one of loss, grad norm, learning rate, loss scale (a
@@ -22,13 +31,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 NUMBER = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])|[-+]?(?:nan|inf(?:inity)?)\b)"
-STEP = re.compile(r"(?:\b|_)(?:global[_ ]step|iteration|iter|step)\b\s*[:=#]?\s*(\d+)", re.IGNORECASE)
+STEP = re.compile(
+    r"(?:\b|_)(?:global[_ ]step|num_updates|iteration|iter|step)\b\s*[:=#]?\s*(\d+)", re.IGNORECASE
+)
 SIGNALS: dict[str, re.Pattern[str]] = {
     "loss": re.compile(r"\b(?:lm[ _]loss|train[/_ ]loss|loss)\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
-    "grad_norm": re.compile(r"\bgrad[ _-]?norm\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
+    "grad_norm": re.compile(r"\b(?:grad[ _-]?norm|gnorm)\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
     "lr": re.compile(r"\b(?:learning[ _-]rate|lr)\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
     "loss_scale": re.compile(r"\bloss[ _-]scale\b\s*[:=]?\s*" + NUMBER, re.IGNORECASE),
 }
@@ -37,17 +49,42 @@ LLM_C = re.compile(
 )
 """llm.c's training line, whole: its names are too short to look for anywhere else."""
 EVALUATION = re.compile(r"\b(?:val|valid|validation|eval|evaluation|test)\b", re.IGNORECASE)
+EPOCH_AVERAGES = re.compile(r"\|\s*train\s*\|")
+"""fairseq's end-of-epoch line, logged under ``train`` (its steps' lines under ``train_inner``)."""
 LOG_SUFFIXES = (".log", ".out")
+
+PRINTED_DICT = re.compile(r"\{([^{}]*)\}\s*$")
+"""A dict printed whole at the end of a line, Python's repr or JSON."""
+DICT_PAIR = re.compile(r"""['"]([^'"]+)['"]\s*:\s*('[^']*'|"[^"]*"|[^,]+)""")
+TENSOR = re.compile(r"^tensor\(\s*" + NUMBER)
+"""A value printed as a torch tensor, as transformers printed ``grad_norm`` for a while."""
+DICT_STEPS = ("step", "global_step", "num_updates", "iteration", "iter", "global_step/max_steps")
+"""Keys of a dict's step; a value ``5/100`` (ms-swift's ``global_step/max_steps``) is step 5."""
+DICT_FIELDS = {
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "gnorm": "grad_norm",
+    "learning_rate": "lr",
+    "lr": "lr",
+    "loss_scale": "loss_scale",
+}
+"""A dict's keys read as fields: the Trainer's and fairseq's names. Not ``train_loss``: the
+Trainer's closing dict has it as the run's mean, fairseq's epoch line as the epoch's."""
+DICT_NOT_TRAINING = ("eval_", "valid_", "test_", "predict_", "train_runtime")
 
 
 def line_row(line: str) -> dict[str, str] | None:
-    """The step and signals one log line names, as text; ``None`` for any other line."""
+    """The step and signals one log line names, as text; ``None`` for any other line. A printed
+    dict that names no step (the Trainer's) is a row without one."""
     llm_c = LLM_C.match(line)
     if llm_c is not None:
         values = zip(("step", "loss", "lr", "grad_norm"), llm_c.groups(), strict=True)
         return {name: value for name, value in values if value is not None}
-    if EVALUATION.search(line):
+    if EVALUATION.search(line) or EPOCH_AVERAGES.search(line):
         return None
+    printed = PRINTED_DICT.search(line)
+    if printed is not None and (row := dict_row(printed.group(1))) is not None:
+        return row
     step = STEP.search(line)
     if step is None:
         return None
@@ -56,10 +93,53 @@ def line_row(line: str) -> dict[str, str] | None:
     return {"step": step.group(1), **row} if row else None
 
 
-def log_rows(path: Path) -> Iterator[dict[str, str]]:
-    """Every training line of the log that names a step and a signal, in order."""
-    with path.open(encoding="utf-8") as lines:
+def dict_row(body: str) -> dict[str, str] | None:
+    """The step and signals of a printed dict's body (``'loss': 2.3, 'epoch': 0.1``); ``None``
+    for an evaluation's or the closing summary's, or one with no signal. Without a step key it
+    is a row only when it names an ``epoch``, as every dict the Trainer logs does."""
+    pairs = {key.strip(): value.strip().strip("'\"").strip() for key, value in DICT_PAIR.findall(body)}
+    if not pairs or any(key.startswith(DICT_NOT_TRAINING) for key in pairs):
+        return None
+    row = {}
+    for key, field in DICT_FIELDS.items():
+        if field not in row and key in pairs and (number := _number(pairs[key])) is not None:
+            row[field] = number
+    step = next((pairs[key].split("/")[0].strip() for key in DICT_STEPS if key in pairs), None)
+    if not row or (step is None and "epoch" not in pairs):
+        return None
+    if step is None:
+        return row
+    return {"step": step, **row} if step.isdigit() else None
+
+
+def _number(text: str) -> str | None:
+    """The text if it is one number (or a tensor of one: ``tensor(1.2, device='cuda:0')``)."""
+    tensor = TENSOR.match(text)
+    if tensor is not None:
+        return tensor.group(1)
+    return text if re.fullmatch(NUMBER, text, re.IGNORECASE) else None
+
+
+@dataclass
+class LogSteps:
+    """What reading a log found: how many of its rows had their step counted, not named."""
+
+    counted: int = 0
+
+
+def log_rows(path: Path, steps: LogSteps | None = None) -> Iterator[dict[str, str]]:
+    """Every training line of the log that names a step and a signal, in order. A row whose
+    line names no step (the Trainer's printed dicts) is numbered by its order among those:
+    1, 2, 3, ..., one per ``logging_steps``; ``steps`` counts them."""
+    counted = 0
+    with path.open(encoding="utf-8") as lines:  # universal newlines: a tqdm bar's \r ends a line
         for line in lines:
             row = line_row(line)
-            if row is not None:
-                yield row
+            if row is None:
+                continue
+            if "step" not in row:
+                counted += 1
+                row = {"step": str(counted), **row}
+                if steps is not None:
+                    steps.counted = counted
+            yield row

@@ -24,7 +24,7 @@ from typing import Any
 
 import polars as pl
 
-from monitor.judge.log_lines import LOG_SUFFIXES, log_rows
+from monitor.judge.log_lines import LOG_SUFFIXES, LogSteps, log_rows
 from monitor.judge.tfevents import EventFileError, RecordEnd, event_runs, event_scalars, is_event_file
 
 CHUNK_BYTES = 1 << 20
@@ -125,9 +125,18 @@ def open_log_file(path: Path) -> TextFile | None:
     """The file read as a training log (``log_lines``); ``None`` when no line of it names a
     step and a signal. Also how a ``.txt`` whose first line names no step is read: a trainer's
     printed log saved as ``log.txt`` (modded-nanogpt's ``logs/<run id>.txt``), not a table."""
+    steps = LogSteps()
     with reading(path, None, None):
-        columns = dict.fromkeys(key for row in log_rows(path) for key in row)
-    return TextFile(path, tuple(columns), None, log_rows) if columns else None
+        columns = dict.fromkeys(key for row in log_rows(path, steps) for key in row)
+    notes = (
+        (
+            f"{steps.counted} printed dicts name no step (the Hugging Face Trainer's): their steps are "
+            "their order, 1, 2, 3, ..., one per logging_steps",
+        )
+        if steps.counted
+        else ()
+    )
+    return TextFile(path, tuple(columns), None, log_rows, notes=notes) if columns else None
 
 
 def open_event_files(path: Path) -> TextFile:
@@ -179,7 +188,8 @@ def _event_rows(path: Path, ends: dict[Path, RecordEnd] | None = None) -> Iterat
 
 def check_bytes(path: Path) -> None:
     """Refuse a NUL byte or an overlong line, reading a megabyte at a time (a line inside one
-    chunk is shorter than the limit, so only lines that cross a chunk's end are measured)."""
+    chunk is shorter than the limit, so only lines that cross a chunk's end are measured). A
+    carriage return ends a line here too; lines are counted by line breaks."""
     line, offset, open_line = 1, 0, 0
     with reading(path, None, None), path.open("rb") as raw:
         while chunk := raw.read(CHUNK_BYTES):
@@ -189,7 +199,7 @@ def check_bytes(path: Path) -> None:
                 raise BacktestError(
                     f"cannot read {path}: a NUL byte at line {at} (byte {offset + nul}): not a text file"
                 )
-            first_end = chunk.find(b"\n")
+            first_end = _first_break(chunk)
             if first_end < 0:
                 open_line += len(chunk)
             else:
@@ -199,9 +209,17 @@ def check_bytes(path: Path) -> None:
                     f"cannot read {path}: line {line} is longer than {LINE_LIMIT_BYTES >> 20} MiB: not a log"
                 )
             if first_end >= 0:
-                open_line = len(chunk) - chunk.rfind(b"\n") - 1
+                open_line = len(chunk) - max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) - 1
             line += chunk.count(b"\n")
             offset += len(chunk)
+
+
+def _first_break(chunk: bytes) -> int:
+    """Where the first line ends: a line break, or a carriage return, which ends a line of a
+    progress bar (tqdm redraws its bar after one, and a log of a long run holds megabytes of
+    them between two line breaks; the log reader splits lines at both)."""
+    ends = [end for end in (chunk.find(b"\n"), chunk.find(b"\r")) if end >= 0]
+    return min(ends, default=-1)
 
 
 @contextmanager
