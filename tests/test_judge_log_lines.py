@@ -60,6 +60,15 @@ MEGATRON = (
             "{'loss': 1.2, 'learning_rate': 1e-05, 'epoch': 0.1, 'global_step/max_steps': '5/100'}",
             {"step": "5", "loss": "1.2", "lr": "1e-05"},
         ),
+        # DeepSpeed's pipeline engine; microsoft/onnxruntime, commit 96325203c1aa06d6e881b87ea35cad20434cb165,
+        # orttraining/orttraining/test/python/orttraining_test_ortmodule_deepspeed_pipeline_parallel.py
+        # ("expected output")
+        (
+            "steps: 100 loss: 0.0585 iter time (s): 0.186 samples/sec: 53.694",
+            {"step": "100", "loss": "0.0585"},
+        ),
+        ("0: steps: 20 loss: nan iter time (s): 0.2 samples/sec: 50.0", {"step": "20", "loss": "nan"}),
+        ("TrainingArguments(learning_rate=5e-05, warmup_steps=500, logging_steps=500)", None),
         # fairseq --log-format simple (fairseq/logging/progress_bar.py SimpleProgressBar): a step's
         # line under train_inner, the epoch's averages under train, validation under valid
         (

@@ -14,6 +14,7 @@ and a signal, the way the common trainers print them, for ``runhealth backtest``
   grad norm), and ``--log-format json``'s ``| train_inner | {"epoch": 1, ..., "loss": "7.123",
   ..., "num_updates": "100", "lr": ..., "gnorm": ...}``; its epoch averages (``| train |``) and
   validations (``| valid |``) are no rows
+- DeepSpeed's pipeline engine: ``steps: 100 loss: 0.0585 iter time (s): 0.186 samples/sec: ...``
 - a dict printed whole at the end of a line (``dict_row``): the Hugging Face Trainer's
   ``{'loss': 2.3456, 'grad_norm': 1.23, 'learning_rate': 4.9e-05, 'epoch': 0.01}``, with any
   prefix (``0: `` from ``srun --label``, a logger's); it names no step, so its steps are counted
@@ -48,6 +49,10 @@ LLM_C = re.compile(
     r"^s:(\d+) trl:" + NUMBER + r"(?: lr:" + NUMBER + r")?(?: norm:" + NUMBER + r")?\s*$", re.IGNORECASE
 )
 """llm.c's training line, whole: its names are too short to look for anywhere else."""
+DEEPSPEED_PIPELINE = re.compile(r"^(?:\d+:\s*)?steps: (\d+) loss: " + NUMBER)
+"""DeepSpeed's pipeline engine (``PipelineEngine.train_batch``): ``steps: 100 loss: 0.0585 iter
+time (s): ...``, at the start of the line (after ``srun --label``'s ``0: ``). Only in this shape:
+``steps`` anywhere would read ``warmup_steps=500`` in an arguments dump as a step."""
 EVALUATION = re.compile(r"\b(?:val|valid|validation|eval|evaluation|test)\b", re.IGNORECASE)
 EPOCH_AVERAGES = re.compile(r"\|\s*train\s*\|")
 """fairseq's end-of-epoch line, logged under ``train`` (its steps' lines under ``train_inner``)."""
@@ -80,6 +85,9 @@ def line_row(line: str) -> dict[str, str] | None:
     if llm_c is not None:
         values = zip(("step", "loss", "lr", "grad_norm"), llm_c.groups(), strict=True)
         return {name: value for name, value in values if value is not None}
+    pipeline = DEEPSPEED_PIPELINE.match(line)
+    if pipeline is not None:
+        return {"step": pipeline.group(1), "loss": pipeline.group(2)}
     if EVALUATION.search(line) or EPOCH_AVERAGES.search(line):
         return None
     printed = PRINTED_DICT.search(line)
