@@ -183,9 +183,9 @@ class NodeRelay:
             return group
 
     def _full(self) -> bool:
-        ranks = {waiting.rank for waiting in self._waiting}
+        # A rank waits for its answer before it sends again: one batch waiting is one rank.
         records = sum(len(waiting.records) for waiting in self._waiting)
-        return len(ranks) >= self._expected or records >= self._config.max_records
+        return len(self._waiting) >= self._expected or records >= self._config.max_records
 
     def _send(self, group: list[Waiting]) -> None:
         by_incarnation: dict[str | None, list[Waiting]] = {}
