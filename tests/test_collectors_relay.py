@@ -13,13 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
+from collectors.attach import Destination, node_relay
+from collectors.config import ConfigError, RunHealthConfig
 from collectors.counters import Counters
+from collectors.layout import Identity, data_parallel
 from collectors.relay import NodeRelay, RelayConfig, RelayTransport, node_key
+from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, SenderConfig
 from collectors.spool import MemorySpool, SpoolConfig
 from collectors.transport import Delivery, Outcome, TransportConfig
 from tests.collectors_support import ADMIN, ServeProcess, serving, step_rows
-from tests.support import free_port
+from tests.support import free_port, require_module
 
 RANKS = 4
 
@@ -190,3 +194,34 @@ class RecordingTransport:
 
     def close(self) -> None:
         return None
+
+
+def identity(local_rank: int) -> Identity:
+    return Identity(local_rank, 2, local_rank, "host-a", "cpu", None, data_parallel(local_rank, 2))
+
+
+def test_local_rank_0_publishes_its_relay_in_the_jobs_store_and_the_others_send_through_it(
+    serve: ServeProcess,
+) -> None:
+    torch = require_module("torch")
+    store = Rendezvous(torch.distributed.HashStore(), "inc-1")  # the c10d store attach uses
+    environ = {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    config = RunHealthConfig()
+    direct = Destination(url=serve.url, token="rh_run_x")
+    counters = Counters()
+    leader = node_relay(config, identity(0), "relay-found", direct, environ, store, counters)
+    try:
+        other = node_relay(config, identity(1), "relay-found", direct, environ, store, Counters())
+        assert leader.relay is not None and other.relay is None
+        assert other.relay_url == leader.relay_url == leader.relay.url
+        assert other.grid_phase_s == leader.grid_phase_s  # one grid for the node
+    finally:
+        if leader.relay is not None:
+            leader.relay.stop()
+    # Off, or where the launcher does not say the node has several ranks: sent directly.
+    off = RunHealthConfig.from_environ({"RUNHEALTH_RELAY__ENABLED": "0"})
+    assert node_relay(off, identity(0), "r", direct, environ, store, counters) is direct
+    assert node_relay(config, identity(0), "r", direct, {}, store, counters) is direct
+    assert node_relay(config, identity(0), "r", direct, environ, None, counters) is direct
+    with pytest.raises(ConfigError, match="RUNHEALTH_RELAY__GATHER_S"):
+        RunHealthConfig.from_environ({"RUNHEALTH_RELAY__GATHER_S": "0"})
