@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monitor.judge.backtest import backtest, load_series, report_json
+import pytest
+
+from monitor.judge.backtest import BacktestError, backtest, load_series, report_json
 from policies.series import SeriesConfig
 
 # 0Xero7/slm_training, commit d4575f90030ef6839b1717d96ea4dbc355b4b7e6,
@@ -50,3 +52,26 @@ def test_a_lightning_metrics_csv_is_judged_on_its_step_loss_not_its_epoch_or_val
     assert "read column 'train_loss_step' as loss (--column train_loss_step=FIELD to choose)" in loaded.notes
     report = report_json(backtest(loaded, SeriesConfig()), loaded.notes, path)
     assert report["steps"] == 17
+
+
+# The columns Keras' CSVLogger writes (`epoch`, then the logs' keys sorted), one row an epoch, with
+# the values of the Keras run whose event files are in tests/data/tfevents/keras_mnist (epochs 0-2).
+KERAS_CSV = """\
+epoch,accuracy,loss,val_accuracy,val_loss
+0,0.9131875038146973,0.29735517501831055,0.9589166641235352,0.1429041177034378
+1,0.9594166874885559,0.13642872869968414,0.9692500233650208,0.1042250245809555
+2,0.9701250195503235,0.09945375472307205,0.9740833044052124,0.08732964843511581
+"""
+
+
+def test_a_keras_csv_log_is_refused_with_the_mapping_that_reads_it_by_epoch(tmp_path: Path) -> None:
+    path = tmp_path / "training.log.csv"
+    path.write_text(KERAS_CSV)
+    with pytest.raises(BacktestError) as raised:
+        load_series(path, {}, None)
+    assert str(raised.value) == (
+        "the file has no 'step' column (map one with --column SRC=step); a log of one row an epoch "
+        "(Keras' CSVLogger) is judged by epoch with --column epoch=step"
+    )
+    [series] = load_series(path, {"epoch": "step"}, None).series
+    assert [p.step for p in series.points] == [0, 1, 2] and series.points[0].loss == 0.29735517501831055

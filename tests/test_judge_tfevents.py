@@ -203,3 +203,9 @@ def test_the_scalars_of_a_real_event_file_stream_in_order() -> None:
     found = list(event_scalars(LIGHTNING))
     assert found[0] == (0, {"hp_metric": -1.0})
     assert found[-6] == (13261, {"val_loss": pytest.approx(0.3606380522251129)})
+
+
+def test_a_csv_export_named_for_its_event_file_is_read_as_a_csv(tmp_path: Path) -> None:
+    path = tmp_path / "events.out.tfevents.1700000000.h.csv"
+    path.write_text("step,loss\n1,2.0\n2,2.0\n")
+    assert report(path)["steps"] == 2

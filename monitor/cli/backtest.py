@@ -34,8 +34,8 @@ def backtest_command(
     ] = "calibrated",
     as_json: JsonOption = False,
 ) -> None:
-    """Run the policies over a recorded series (CSV or JSONL with a step column, a training log, or a
-    Hugging Face trainer_state.json)."""
+    """Run the policies over a recorded series (CSV or JSONL with a step column, a training log, a
+    Hugging Face trainer_state.json, or TensorBoard event files: one, or a directory of runs)."""
     if preset not in PRESETS:
         raise UserError(f"--preset must be one of {', '.join(PRESETS)}, not {preset!r}")
     config = SeriesConfig(loss_spike=PRESETS[preset]())

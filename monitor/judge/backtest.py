@@ -175,6 +175,9 @@ def layout(columns: Sequence[str], mapping: Mapping[str, str]) -> Layout:
         raise BacktestError(f"several columns would be read as {twice[0]!r}: map only one with --column")
     if "step" not in named:
         hints = "".join(f"; {note}" for note in notes if note.startswith("several columns could be step"))
+        epochs = [name for name in named if name.strip().lower() == "epoch"]
+        if epochs and not hints:  # Keras' CSVLogger: one row an epoch, no step
+            hints = f"; a log of one row an epoch (Keras' CSVLogger) is judged by epoch with --column {epochs[0]}=step"
         raise BacktestError(f"the file has no 'step' column (map one with --column SRC=step){hints}")
     ignored = [name for name in named if name not in FIELDS]
     if ignored:

@@ -298,8 +298,12 @@ EVALUATION_DIRECTORY = re.compile(
 ``train_inner/``, ``train/`` and ``valid/``."""
 
 
+NOT_EVENT_SUFFIXES = (".csv", ".tsv", ".txt", ".json", ".jsonl", ".ndjson", ".log", ".out", ".md")
+"""A name with the mark and one of these endings is text about event files (an export)."""
+
+
 def is_event_file(path: Path) -> bool:
-    return EVENT_FILE_MARK in path.name
+    return EVENT_FILE_MARK in path.name and path.suffix.lower() not in NOT_EVENT_SUFFIXES
 
 
 def _written_order(path: Path) -> tuple[int, str]:
@@ -324,7 +328,7 @@ def event_runs(path: Path) -> EventRuns:
         return EventRuns({path.name: [path]}, ())
     runs: dict[str, list[Path]] = {}
     for found in sorted(path.rglob(f"*{EVENT_FILE_MARK}*")):
-        if found.is_file():
+        if found.is_file() and is_event_file(found):
             runs.setdefault(found.parent.relative_to(path).as_posix(), []).append(found)
     left_out = tuple(
         name for name in runs if any(EVALUATION_DIRECTORY.match(part) for part in name.split("/"))
