@@ -100,7 +100,7 @@ def test_a_keras_run_directory_reads_train_and_leaves_validation_out() -> None:
         report(KERAS)
     result = report(KERAS, {"epoch_loss": "loss"})
     assert result["steps"] == 3
-    assert result["notes"][0] == "left out evaluation runs: validation"
+    assert result["notes"][0] == "left out evaluation and epoch-average runs: validation"
     loaded = load_series(KERAS, {"epoch_loss": "loss"}, None)
     assert [round(p.loss or 0, 6) for p in loaded.series[0].points] == [0.297355, 0.136429, 0.099454]
     # The validation file alone is read as it is, its two step axes apart: no restart.
@@ -209,3 +209,18 @@ def test_a_csv_export_named_for_its_event_file_is_read_as_a_csv(tmp_path: Path) 
     path = tmp_path / "events.out.tfevents.1700000000.h.csv"
     path.write_text("step,loss\n1,2.0\n2,2.0\n")
     assert report(path)["steps"] == 2
+
+
+def test_fairseq_tensorboard_directories_judge_train_inner_only(tmp_path: Path) -> None:
+    """fairseq's --tensorboard-logdir: train_inner/ (each log interval, by num_updates), train/
+    (each epoch's averages, at the epoch's last update) and valid/."""
+    logs = tmp_path / "tb"
+    write_events(
+        logs / "train_inner" / "events.out.tfevents.1700000000.h",
+        [(s, "loss", 7.0) for s in range(100, 1001, 100)],
+    )
+    write_events(logs / "train" / "events.out.tfevents.1700000000.h", [(1000, "loss", 7.5)])
+    write_events(logs / "valid" / "events.out.tfevents.1700000000.h", [(1000, "loss", 6.9)])
+    result = report(logs)
+    assert result["run"] is None and result["steps"] == 10
+    assert result["notes"][0] == "left out evaluation and epoch-average runs: train, valid"

@@ -154,7 +154,9 @@ def open_event_files(path: Path) -> TextFile:
     with reading(path, None, None):
         for row in _event_rows(path, ends):
             columns.update(dict.fromkeys(row))
-    notes = [f"left out evaluation runs: {', '.join(runs.left_out)}"] if runs.left_out else []
+    notes = (
+        [f"left out evaluation and epoch-average runs: {', '.join(runs.left_out)}"] if runs.left_out else []
+    )
     notes += [
         f"{file}: read up to byte {end.cut_at}: {end.reason}"
         for file, end in ends.items()

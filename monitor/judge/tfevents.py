@@ -316,7 +316,8 @@ def _written_order(path: Path) -> tuple[int, str]:
 @dataclass(frozen=True)
 class EventRuns:
     """The event files under a path, by run (a directory that holds event files is a run,
-    named by its path under the one given), and the evaluation runs left out."""
+    named by its path under the one given), and the runs left out: evaluations, and fairseq's
+    epoch averages."""
 
     files: dict[str, list[Path]]
     left_out: tuple[str, ...]
@@ -330,8 +331,16 @@ def event_runs(path: Path) -> EventRuns:
     for found in sorted(path.rglob(f"*{EVENT_FILE_MARK}*")):
         if found.is_file() and is_event_file(found):
             runs.setdefault(found.parent.relative_to(path).as_posix(), []).append(found)
-    left_out = tuple(
-        name for name in runs if any(EVALUATION_DIRECTORY.match(part) for part in name.split("/"))
-    )
+    left_out = tuple(name for name in runs if _evaluations(name) or _epoch_averages(name, runs))
     kept = {name: sorted(files, key=_written_order) for name, files in runs.items() if name not in left_out}
     return EventRuns(kept, left_out)
+
+
+def _evaluations(run: str) -> bool:
+    return any(EVALUATION_DIRECTORY.match(part) for part in run.split("/"))
+
+
+def _epoch_averages(run: str, runs: dict[str, list[Path]]) -> bool:
+    """fairseq's ``train/``: each epoch's averages, beside ``train_inner/``, its steps."""
+    parent, _, name = run.rpartition("/")
+    return name == "train" and f"{parent}/train_inner".lstrip("/") in runs
