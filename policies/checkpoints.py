@@ -2,7 +2,8 @@
 
 A recovery point must be complete (its manifest re-checked against the files), current (not
 superseded by a later save to the same path, which rewrote its files), finite (not at or after
-a nonfinite step), safe (not at or after the first affected step of an open incident), and
+a nonfinite step), safe (not at or after the first affected step of an open incident; a spike's
+ends 50 steps after its last evidence), and
 strictly before the first affected step of the incident being recovered. Among those, the
 newest wins: it loses the least work.
 
@@ -70,20 +71,61 @@ class Unsafe:
     reason: str
 
 
+@dataclass(frozen=True)
+class TaintConfig:
+    """How far an open incident's taint reaches over the checkpoints saved after it.
+
+    ``spike_reach`` (50 steps): a spike incident (one the grouping never refined into a level
+    shift) whose last evidence is more than this many steps before a checkpoint does not taint
+    it: the run-level rule judged the windows in between within bounds, so the run came back on
+    its own, and a finding that far from the spike would open a new incident (the grouping rule's
+    default merge gap, ``GroupingConfig.merge_gap``). Every other kind taints every later
+    checkpoint while it is open. Found attaching pytorch/examples' word language model (plain SGD
+    at its default rate of 20): one grad-norm warning at step 17 stayed open, every later save was
+    unsafe, and a NaN at step 110 found no rollback target.
+    """
+
+    spike_reach: int = 50
+
+    def __post_init__(self) -> None:
+        if self.spike_reach < 0:
+            raise ValueError(f"TaintConfig.spike_reach must be >= 0, got {self.spike_reach}")
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    """An open incident of a kind that can change the model's state, as far as taint goes."""
+
+    kind: str
+    first_step: int
+    last_step: int
+
+    def taints(self, step: int, config: TaintConfig) -> bool:
+        """Whether a checkpoint saved at ``step`` may hold this incident's damage."""
+        if step < self.first_step:
+            return False
+        return self.kind != "spike" or step <= self.last_step + config.spike_reach
+
+
 def unsafe_checkpoints(
-    checkpoints: Iterable[CheckpointFacts], nonfinite_steps: Sequence[int], open_first_steps: Sequence[int]
+    checkpoints: Iterable[CheckpointFacts],
+    nonfinite_steps: Sequence[int],
+    open_incidents: Sequence[OpenIncident],
+    config: TaintConfig | None = None,
 ) -> dict[int, str]:
-    """Checkpoints at or after a nonfinite step, or at or after the first affected step of an
-    open incident (until that incident is resolved)."""
+    """Checkpoints at or after a nonfinite step, or that an open incident taints (from its
+    first affected step on, a spike only within its reach: ``TaintConfig``), until that
+    incident is resolved."""
+    reach = config or TaintConfig()
     first_nonfinite = min(nonfinite_steps, default=None)
-    first_open = min(open_first_steps, default=None)
     unsafe = {}
     for checkpoint in checkpoints:
+        tainting = [i.first_step for i in open_incidents if i.taints(checkpoint.step, reach)]
         if first_nonfinite is not None and checkpoint.step >= first_nonfinite:
             unsafe[checkpoint.key] = f"at or after the nonfinite step {first_nonfinite}"
-        elif first_open is not None and checkpoint.step >= first_open:
+        elif tainting:
             unsafe[checkpoint.key] = (
-                f"at or after step {first_open}, the first affected step of an open incident"
+                f"at or after step {min(tainting)}, the first affected step of an open incident"
             )
     return unsafe
 

@@ -79,6 +79,79 @@ def finish_ranks(
     return [json.loads((root / "results" / f"rank-{n}.json").read_text()) for n in world]
 
 
+@contextmanager
+def job_running(
+    command: list[str], root: Path, environ: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``command`` started in ``root`` (its working directory), its output in ``root/job.log``,
+    for the block; a job still running at its end (a test that failed early) is ended by PID
+    (``end_job``). Inside, ``finish_job`` waits for it to exit 0."""
+    log_path = root / "job.log"
+    with open(log_path, "wb") as log:
+        job = subprocess.Popen(command, cwd=root, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield job, log_path
+    finally:
+        end_job(job)
+
+
+def finish_job(job: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 240.0) -> None:
+    """Wait for the job (a ``TimeoutExpired`` leaves it to ``job_running``) and check it exited 0."""
+    job.wait(timeout_s)
+    assert job.returncode == 0, log_path.read_text(errors="replace")[-4000:]
+
+
+def embedded_store(root: Path, log_path: Path, timeout_s: float = 120.0) -> Path:
+    """The store of the job's embedded service in ``root`` (``./runhealth.db``), once the service
+    wrote its discovery file beside it: ``runhealth approve ID --db`` finds it from then on."""
+    db = root / "runhealth.db"
+    started = wait_until(lambda: (root / "runhealth.db.service.json").exists(), timeout_s, 0.25)
+    assert started, log_path.read_text(errors="replace")[-4000:]
+    return db
+
+
+def pending_rollback(
+    db: Path, run: str, step: int, log_path: Path, timeout_s: float = 150.0
+) -> dict[str, Any]:
+    """The run's pending rollback proposal to the checkpoint of ``step``, once the fault was
+    judged and that checkpoint recorded (an escalation or an older target is superseded on the
+    way: a checkpoint is recorded once its files are hashed)."""
+    from monitor.store import queries
+    from monitor.store.db import create_store_engine, resolve_url
+
+    found: list[dict[str, Any]] = []
+    engine = create_store_engine(resolve_url(str(db), {}))
+
+    def pending() -> bool:
+        try:
+            with engine.connect() as connection:
+                rows = queries.list_proposals(connection, run, "pending")
+        except Exception:  # the store not migrated yet
+            return False
+        found[:] = [p for p in rows if p["action"] == "rollback" and p["target"]["step"] == step]
+        return bool(found)
+
+    try:
+        assert wait_until(pending, timeout_s, 0.5), log_path.read_text(errors="replace")[-4000:]
+    finally:
+        engine.dispose()
+    return found[0]
+
+
+def end_job(job: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """A test that failed early: its job, by PID. SIGTERM first (torchrun then ends its workers,
+    which a SIGKILL of the launcher alone leaves running; a trainer closes its hook), SIGKILL
+    after ``grace_s``."""
+    if job.poll() is not None:
+        return
+    job.terminate()
+    try:
+        job.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+
+
 class ServeProcess:
     """``python -m monitor serve`` on a fixed loopback port, which can be killed and restarted."""
 

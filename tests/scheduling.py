@@ -36,6 +36,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/test_multinode_tutorial.py": 53.8,  # alone beside two busy processes, 2026-12-04
     "tests/test_collectors_hf.py": 47.4,
     "tests/test_restart_loop.py": 37.1,
+    "tests/test_attach_word_lm.py": 36.0,  # 26-39 s beside other helpers' runs, load 5-10, 2026-12-04
     "tests/test_ingest_postgres_copy.py": 34.4,
     "tests/test_attach_accelerate.py": 30.9,  # alone beside two busy processes, 2026-12-04
     "tests/test_collectors_skip_update.py": 30.4,

@@ -15,18 +15,22 @@ window short, and the rollback carried that count on.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from monitor.store import queries
-from monitor.store.db import create_store_engine, resolve_url
 from tests.adapters_support import run_rows
-from tests.collectors_support import REPO, child_environ, table_rows, wait_until
+from tests.collectors_support import (
+    REPO,
+    child_environ,
+    embedded_store,
+    finish_job,
+    job_running,
+    pending_rollback,
+    table_rows,
+)
 from tests.support import require_module
 from tests.test_attach_recipes import cli
 
@@ -59,35 +63,14 @@ def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_r
         str(TRAINER), "--max_train_steps=60", "--checkpointing_steps=10", "--nan_at=23",
         "--nan_rank=1", "--step_sleep=0.1",
     ]  # fmt: skip
-    log_path = tmp_path / "job.log"
-    with open(log_path, "wb") as log:
-        job = subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        db = tmp_path / "runhealth.db"
-        assert wait_until(lambda: (tmp_path / "runhealth.db.service.json").exists(), 120, 0.25), tail(
-            log_path
-        )
-        engine = create_store_engine(resolve_url(str(db), {}))
-        try:
-            proposal = pending_rollback(engine, log_path)
-        finally:
-            engine.dispose()
+    with job_running(command, tmp_path, environ) as (job, log_path):
+        db = embedded_store(tmp_path, log_path)
+        proposal = pending_rollback(db, RUN, 20, log_path)
         assert proposal["target"]["step"] == 20, proposal
         assert proposal["target"]["path"] == str(tmp_path / "step_20")  # made absolute by the hook
         approved = cli(tmp_path, "approve", str(proposal["id"]), "--db", str(db), "--reason", "NaN at 23")
         assert approved["ok"], approved
-        job.wait(timeout=240)  # a TimeoutExpired ends the job below
-    finally:
-        if job.poll() is None:
-            # A test that failed early: its job, by PID. SIGTERM first: torchrun then ends its
-            # workers, which a SIGKILL of the launcher alone leaves running.
-            job.terminate()
-            try:
-                job.wait(30)
-            except subprocess.TimeoutExpired:
-                job.kill()
-                job.wait()
-    assert job.returncode == 0, tail(log_path)
+        finish_job(job, log_path)
 
     steps = run_rows(db, "step_records", RUN)
     first, resumed = list(dict.fromkeys(s["incarnation"] for s in steps))
@@ -131,24 +114,6 @@ def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_r
     )
     dead = [p for p in (tmp_path / "runhealth-spool").rglob("*.dead.jsonl") if p.stat().st_size]
     assert dead == []
-
-
-def pending_rollback(engine: Any, log_path: Path) -> dict[str, Any]:
-    """The run's pending rollback proposal, once the NaN was judged and a checkpoint before it
-    recorded (an escalation or an older target is superseded on the way)."""
-    found: list[dict[str, Any]] = []
-
-    def pending() -> bool:
-        try:
-            with engine.connect() as connection:
-                rows = queries.list_proposals(connection, RUN, "pending")
-        except Exception:  # the store not migrated yet
-            return False
-        found[:] = [p for p in rows if p["action"] == "rollback" and p["target"]["step"] == 20]
-        return bool(found)
-
-    assert wait_until(pending, 150, 0.5), tail(log_path)
-    return found[0]
 
 
 def tail(path: Path) -> str:

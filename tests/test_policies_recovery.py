@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from policies.checkpoints import (
     CheckpointFacts,
+    OpenIncident,
+    TaintConfig,
     manifest_digest,
     rejected_reasons,
     rewind_target,
@@ -47,12 +49,23 @@ checkpoint_sets = st.lists(
     checkpoints=checkpoint_sets,
     first_affected=st.integers(0, 600),
     nonfinite=st.lists(st.integers(0, 600), max_size=3),
-    open_firsts=st.lists(st.integers(0, 600), max_size=3),
+    open_incidents=st.lists(
+        st.builds(
+            lambda kind, first, length: OpenIncident(kind, first, first + length),
+            st.sampled_from(["spike", "level_shift", "amp"]),
+            st.integers(0, 600),
+            st.integers(0, 100),
+        ),
+        max_size=3,
+    ),
 )
 def test_the_target_is_never_invalid_unsafe_or_late_and_is_the_newest_that_qualifies(
-    checkpoints: list[CheckpointFacts], first_affected: int, nonfinite: list[int], open_firsts: list[int]
+    checkpoints: list[CheckpointFacts],
+    first_affected: int,
+    nonfinite: list[int],
+    open_incidents: list[OpenIncident],
 ) -> None:
-    unsafe = unsafe_checkpoints(checkpoints, nonfinite, open_firsts)
+    unsafe = unsafe_checkpoints(checkpoints, nonfinite, open_incidents)
     target = rewind_target(checkpoints, first_affected, unsafe)
     qualifying = [
         c for c in checkpoints if c.valid is True and c.key not in unsafe and c.step < first_affected
@@ -69,9 +82,27 @@ def test_the_target_is_never_invalid_unsafe_or_late_and_is_the_newest_that_quali
 
 def test_unsafe_covers_nonfinite_and_open_incidents() -> None:
     checkpoints = [CheckpointFacts(k, s, "/c") for k, s in enumerate([100, 200, 300, 400])]
-    unsafe = unsafe_checkpoints(checkpoints, nonfinite_steps=[350], open_first_steps=[250])
+    unsafe = unsafe_checkpoints(checkpoints, [350], [OpenIncident("level_shift", 250, 260)])
     assert sorted(unsafe) == [2, 3]
     assert "nonfinite" in unsafe[3] and "open incident" in unsafe[2]
+
+
+def test_an_open_spike_taints_the_checkpoints_within_its_reach_and_no_later_ones() -> None:
+    # pytorch/examples' word language model: one grad-norm warning at step 17, never resolved,
+    # made every later save unsafe, so a NaN at 110 found no target before step 105.
+    checkpoints = [
+        CheckpointFacts(k, s, "/model.pt", valid=True) for k, s in enumerate([10, 21, 67, 68, 105])
+    ]
+    spike = OpenIncident("spike", 17, 17)
+    unsafe = unsafe_checkpoints(checkpoints, [], [spike])
+    assert sorted(unsafe) == [1, 2]  # steps 21 and 67 (17 + 50); 10 is before it
+    assert unsafe[1] == "at or after step 17, the first affected step of an open incident"
+    assert rewind_target(checkpoints, 110, unsafe) == checkpoints[4]
+    assert sorted(unsafe_checkpoints(checkpoints, [], [spike], TaintConfig(spike_reach=100))) == [1, 2, 3, 4]
+    # A level shift (a spike that stayed up) and every other kind taint every later checkpoint.
+    assert sorted(unsafe_checkpoints(checkpoints, [], [OpenIncident("level_shift", 17, 25)])) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="spike_reach"):
+        TaintConfig(spike_reach=-1)
 
 
 def test_a_path_saved_again_supersedes_its_older_versions_which_are_never_targets() -> None:

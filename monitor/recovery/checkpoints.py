@@ -38,7 +38,13 @@ from sqlalchemy.engine import Connection
 
 from monitor.store import models
 from policies.async_checkpoints import UPDATES_BEFORE_STAGED, is_hook_metric
-from policies.checkpoints import CheckpointFacts, rewind_target, superseded, unsafe_checkpoints
+from policies.checkpoints import (
+    CheckpointFacts,
+    OpenIncident,
+    rewind_target,
+    superseded,
+    unsafe_checkpoints,
+)
 
 CHECKPOINT = models.table_of(models.CheckpointEvent)
 VALIDATION = models.table_of(models.CheckpointValidation)
@@ -289,7 +295,7 @@ def unsafe_for(
     """Only incidents that can have corrupted the model's state taint checkpoints: a straggler,
     a hang or a link warning slows a run without changing what it computes."""
     open_rows = connection.execute(
-        sa.select(INCIDENT.c.kind, INCIDENT.c.first_step).where(
+        sa.select(INCIDENT.c.kind, INCIDENT.c.first_step, INCIDENT.c.last_step).where(
             INCIDENT.c.run_id == run_id,
             INCIDENT.c.status == "open",
             INCIDENT.c.severity != "info",
@@ -297,7 +303,8 @@ def unsafe_for(
         )
     ).all()
     nonfinite = [r.first_step for r in open_rows if r.kind == "nonfinite"]
-    unsafe = unsafe_checkpoints(checkpoints, nonfinite, [r.first_step for r in open_rows])
+    incidents = [OpenIncident(r.kind, r.first_step, r.last_step) for r in open_rows]
+    unsafe = unsafe_checkpoints(checkpoints, nonfinite, incidents)
     return {**torn_snapshots(connection, run_id), **unsafe}
 
 

@@ -558,7 +558,8 @@ class Decisions:
         who = f" by {row['decided_by']}" if row["decided_by"] else ""
         return Outcome(
             False,
-            f"cannot {verb} proposal {proposal_id}: it is already {row['status']}{who}",
+            f"cannot {verb} proposal {proposal_id}: it is already {row['status']}{who}"
+            + _live_instead(connection, row),
             view_of(connection, proposal_id),
         )
 
@@ -916,6 +917,23 @@ def _supersede(
         ).rowcount
         == 1
     )
+
+
+def _live_instead(connection: Connection, row: sa.RowMapping) -> str:
+    """For a superseded proposal, the incident's proposal that awaits a decision now: the hold
+    a trainer logs names the proposal it was sent with, and an escalation that a checkpoint's
+    record superseded keeps its hold under the rollback that replaced it."""
+    if row["status"] != ProposalStatus.SUPERSEDED.value:
+        return ""
+    live = connection.execute(
+        sa.select(PROPOSAL.c.id, PROPOSAL.c.action)
+        .where(
+            PROPOSAL.c.incident_id == row["incident_id"],
+            PROPOSAL.c.status.in_(_values(proposal_lifecycle.AWAITING_DECISION)),
+        )
+        .order_by(PROPOSAL.c.id.desc())
+    ).first()
+    return "" if live is None else f"; proposal {live.id} ({live.action}) replaces it"
 
 
 def _values(statuses: Iterable[StrEnum]) -> list[str]:
