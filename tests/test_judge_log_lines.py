@@ -60,6 +60,22 @@ MEGATRON = (
             "{'loss': 1.2, 'learning_rate': 1e-05, 'epoch': 0.1, 'global_step/max_steps': '5/100'}",
             {"step": "5", "loss": "1.2", "lr": "1e-05"},
         ),
+        # MMEngine; InternLM/xtuner, commit 9470deb3467fdc73fee10d43a4b37ad3bc4c9111,
+        # docs/en/get_started/quickstart.md
+        (
+            "01/29 21:36:02 - mmengine - INFO - Iter(train) [ 20/720]  lr: 1.9000e-04  eta: 0:32:01  "
+            "time: 2.8037  data_time: 0.0071  memory: 13969  loss: 2.6049  grad_norm: 0.9361",
+            {"step": "20", "loss": "2.6049", "grad_norm": "0.9361", "lr": "1.9000e-04"},
+        ),
+        # epoch-based, [epoch][iteration/iterations]: a YOLO-World fine-tuning log's line as found in
+        # the public code index (its repository not identified), the epoch changed from 1 to 2
+        (
+            "2024/06/19 01:21:51 - mmengine - INFO - Epoch(train)  [2][  50/1509]  base_lr: 2.0000e-04 "
+            "lr: 2.1648e-06  eta: 8:27:55  time: 0.2526  data_time: 0.0334  memory: 9182  grad_norm: nan  "
+            "loss: 59.1782  loss_cls: 21.0711  loss_bbox: 18.8034  loss_dfl: 19.3038",
+            {"step": "1559", "loss": "59.1782", "grad_norm": "nan", "lr": "2.1648e-06"},
+        ),
+        ("06/16 08:23:02 - mmengine - INFO - Iter(val) [17/17]    aAcc: 86.3900  mIoU: 51.1200", None),
         # DeepSpeed's pipeline engine; microsoft/onnxruntime, commit 96325203c1aa06d6e881b87ea35cad20434cb165,
         # orttraining/orttraining/test/python/orttraining_test_ortmodule_deepspeed_pipeline_parallel.py
         # ("expected output")
@@ -303,3 +319,26 @@ def test_a_trainer_log_is_judged_as_the_same_series_in_a_csv_through_a_progress_
     assert from_log["steps"] == 300
     assert [(i["kind"], i["first_step"]) for i in from_log["incidents"]] == [("spike", 200)]
     assert json.dumps(from_log["findings"]) == json.dumps(from_csv["findings"])
+
+
+# InternLM/xtuner, commit 9470deb3467fdc73fee10d43a4b37ad3bc4c9111, docs/en/get_started/quickstart.md
+# ("The correct training log may look similar to the one shown below"), its first four lines.
+XTUNER_LOG = """\
+01/29 21:35:34 - mmengine - INFO - Iter(train) [ 10/720]  lr: 9.0001e-05  eta: 0:31:46  time: 2.6851  data_time: 0.0077  memory: 12762  loss: 2.6900
+01/29 21:36:02 - mmengine - INFO - Iter(train) [ 20/720]  lr: 1.9000e-04  eta: 0:32:01  time: 2.8037  data_time: 0.0071  memory: 13969  loss: 2.6049  grad_norm: 0.9361
+01/29 21:36:29 - mmengine - INFO - Iter(train) [ 30/720]  lr: 1.9994e-04  eta: 0:31:24  time: 2.7031  data_time: 0.0070  memory: 13969  loss: 2.5795  grad_norm: 0.9361
+01/29 21:36:57 - mmengine - INFO - Iter(train) [ 40/720]  lr: 1.9969e-04  eta: 0:30:55  time: 2.7247  data_time: 0.0069  memory: 13969  loss: 2.3352  grad_norm: 0.8482
+"""
+
+
+def test_an_mmengine_log_is_read_by_its_iterations(tmp_path: Path) -> None:
+    """Before: refused ("no line names a step ..."): ``Iter(train) [ 10/720]`` names no step word."""
+    path = tmp_path / "20240129_213458.log"
+    path.write_text(XTUNER_LOG)
+    [series] = load_series(path, {}, None).series
+    assert [(p.step, p.loss, p.grad_norm) for p in series.points] == [
+        (10, 2.69, None),
+        (20, 2.6049, 0.9361),
+        (30, 2.5795, 0.9361),
+        (40, 2.3352, 0.8482),
+    ]

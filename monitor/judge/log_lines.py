@@ -14,6 +14,9 @@ and a signal, the way the common trainers print them, for ``runhealth backtest``
   grad norm), and ``--log-format json``'s ``| train_inner | {"epoch": 1, ..., "loss": "7.123",
   ..., "num_updates": "100", "lr": ..., "gnorm": ...}``; its epoch averages (``| train |``) and
   validations (``| valid |``) are no rows
+- MMEngine (XTuner, MMDetection, MMSegmentation): ``- mmengine - INFO - Iter(train) [ 10/720]
+  lr: 9.0001e-05  eta: ...  loss: 2.6900  grad_norm: 0.9361``, or ``Epoch(train) [2][ 50/1175]``
+  (step 1225); ``Iter(val)``, ``Epoch(val)`` lines are no rows
 - DeepSpeed's pipeline engine: ``steps: 100 loss: 0.0585 iter time (s): 0.186 samples/sec: ...``
 - a dict printed whole at the end of a line (``dict_row``): the Hugging Face Trainer's
   ``{'loss': 2.3456, 'grad_norm': 1.23, 'learning_rate': 4.9e-05, 'epoch': 0.01}``, with any
@@ -58,6 +61,9 @@ EPOCH_AVERAGES = re.compile(r"\|\s*train\s*\|")
 """fairseq's end-of-epoch line, logged under ``train`` (its steps' lines under ``train_inner``)."""
 LOG_SUFFIXES = (".log", ".out")
 
+MMENGINE = re.compile(r"\b(?:Iter\(train\)|Epoch\(train\)\s*\[(\d+)\])\s*\[\s*(\d+)\s*/\s*(\d+)\]")
+"""MMEngine's LogProcessor (XTuner, MMDetection, MMSegmentation): ``Iter(train) [ 10/720]``, the
+step; ``Epoch(train) [2][ 50/1175]``, the 50th iteration of epoch 2: step 1175 + 50."""
 PRINTED_DICT = re.compile(r"\{([^{}]*)\}\s*$")
 """A dict printed whole at the end of a line, Python's repr or JSON."""
 DICT_PAIR = re.compile(r"""['"]([^'"]+)['"]\s*:\s*('[^']*'|"[^"]*"|[^,]+)""")
@@ -93,12 +99,22 @@ def line_row(line: str) -> dict[str, str] | None:
     printed = PRINTED_DICT.search(line)
     if printed is not None and (row := dict_row(printed.group(1))) is not None:
         return row
+    mmengine = MMENGINE.search(line)
+    if mmengine is not None:
+        epoch, index, length = mmengine.groups()
+        number = index if epoch is None else str((int(epoch) - 1) * int(length) + int(index))
+        return _signals(number, line[mmengine.end() :])
     step = STEP.search(line)
     if step is None:
         return None
     rest = line[: step.start()] + " " + line[step.end() :]  # the step's own number is no value
+    return _signals(step.group(1), rest)
+
+
+def _signals(step: str, rest: str) -> dict[str, str] | None:
+    """The step and the signals named in the rest of its line; ``None`` when there are none."""
     row = {name: found.group(1) for name, pattern in SIGNALS.items() if (found := pattern.search(rest))}
-    return {"step": step.group(1), **row} if row else None
+    return {"step": step, **row} if row else None
 
 
 def dict_row(body: str) -> dict[str, str] | None:
