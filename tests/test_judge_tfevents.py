@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from monitor.judge import tfevents
 from monitor.judge.backtest import BacktestError, backtest, load_series, report_json
 from monitor.judge.series_files import open_text_file
 from monitor.judge.tfevents import HEADER_BYTES, event_scalars, masked_crc32c, records
@@ -224,3 +225,20 @@ def test_fairseq_tensorboard_directories_judge_train_inner_only(tmp_path: Path) 
     result = report(logs)
     assert result["run"] is None and result["steps"] == 10
     assert result["notes"][0] == "left out evaluation and epoch-average runs: train, valid"
+
+
+def test_the_fast_layout_reads_what_the_field_by_field_reading_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's add_scalar layout is decoded in place (``simple_scalar_event``): every event of
+    the real excerpts and of a written file reads the same with it as field by field."""
+    written = write_events(
+        tmp_path / "events.out.tfevents.1700000000.h", [(s, "train/loss", 2.5) for s in (0, 1, 300)]
+    )
+    paths = [LIGHTNING, written, *sorted(KERAS.rglob("*tfevents*"))]
+    fast = [list(event_scalars(path)) for path in paths]
+    assert (
+        sum(tfevents.simple_scalar_event(data) is not None for _, data, _ in records(LIGHTNING)) == 79
+    )  # all but hp_metric at step 0
+    monkeypatch.setattr(tfevents, "simple_scalar_event", lambda data: None)
+    assert [list(event_scalars(path)) for path in paths] == fast

@@ -152,7 +152,7 @@ def open_event_files(path: Path) -> TextFile:
     columns = dict.fromkeys(("step", "run") if len(runs.files) > 1 else ("step",))
     ends: dict[Path, RecordEnd] = {}
     with reading(path, None, None):
-        for row in _event_rows(path, ends):
+        for row in _event_rows(path, ends, checked=False):  # the judging pass checks each record
             columns.update(dict.fromkeys(row))
     notes = (
         [f"left out evaluation and epoch-average runs: {', '.join(runs.left_out)}"] if runs.left_out else []
@@ -169,7 +169,9 @@ STRUCTURAL_COLUMNS = ("step", "run")
 """An event row's own columns; a tag of either name is left out (the event's step is the step)."""
 
 
-def _event_rows(path: Path, ends: dict[Path, RecordEnd] | None = None) -> Iterator[dict[str, str | None]]:
+def _event_rows(
+    path: Path, ends: dict[Path, RecordEnd] | None = None, checked: bool = True
+) -> Iterator[dict[str, str | None]]:
     """Every event with a scalar, run after run and file after file in the order written, as a
     row of its step, its run (when there are several) and its tags' values."""
     runs = event_runs(path)
@@ -178,7 +180,7 @@ def _event_rows(path: Path, ends: dict[Path, RecordEnd] | None = None) -> Iterat
         for file in files:
             end = (ends if ends is not None else {}).setdefault(file, RecordEnd())
             try:
-                for step, scalars in event_scalars(file, end):
+                for step, scalars in event_scalars(file, end, checked):
                     row: dict[str, str | None] = {"step": str(step), **({"run": run} if several else {})}
                     row.update(
                         (tag, repr(value)) for tag, value in scalars.items() if tag not in STRUCTURAL_COLUMNS

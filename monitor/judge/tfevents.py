@@ -256,6 +256,10 @@ class EventScalars:
 
     def event(self, data: bytes) -> tuple[int, dict[str, float]] | None:
         """An event's step and its scalars by tag; ``None`` when it has none."""
+        simple = simple_scalar_event(data)
+        if simple is not None:
+            at_step, tag, scalar = simple
+            return (at_step, {tag: scalar}) if tag and tag not in self.other_plugins else None
         step, summary = 0, None
         for number, wire, value in fields(data):
             if number == 2 and wire == 0 and isinstance(value, int):
@@ -273,9 +277,36 @@ class EventScalars:
         return (step, scalars) if scalars else None
 
 
-def event_scalars(path: Path, end: RecordEnd | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+def simple_scalar_event(data: bytes) -> tuple[int, str, float] | None:
+    """An event in the one layout torch's ``SummaryWriter.add_scalar`` writes (wall_time, step,
+    and a Summary of one Value: a tag and a simple_value, nothing else) as its step, tag and
+    value, decoded in place: most of a PyTorch file's events, at a third of the cost of reading
+    them field by field. ``None`` for any other layout (step 0, which protobuf leaves out, too)."""
+    if len(data) < 16 or data[0] != 0x09 or data[9] != 0x10:
+        return None
+    step, at = _varint(data, 10)
+    if at >= len(data) or data[at] != 0x2A:
+        return None
+    length, at = _varint(data, at + 1)
+    if at + length != len(data) or at >= len(data) or data[at] != 0x0A:
+        return None
+    length, at = _varint(data, at + 1)
+    if at + length != len(data) or at >= len(data) or data[at] != 0x0A:
+        return None
+    length, at = _varint(data, at + 1)
+    value_at = at + length
+    if value_at + 5 != len(data) or data[value_at] != 0x15:
+        return None
+    (value,) = struct.unpack_from("<f", data, value_at + 1)
+    return _signed(step), data[at:value_at].decode("utf-8", "replace"), float(value)
+
+
+def event_scalars(
+    path: Path, end: RecordEnd | None = None, checked: bool = True
+) -> Iterator[tuple[int, dict[str, float]]]:
     """Each event of the file that holds a scalar, as its step and its scalars by tag, in file
-    order; a corrupt record is an ``EventFileError`` naming its byte."""
+    order; a corrupt record is an ``EventFileError`` naming its byte. ``checked=False`` skips
+    the data's checksum (a first pass for the tags, before a checked one)."""
     scalars = EventScalars()
     for offset, data, stored in records(path, end):
         try:
@@ -284,7 +315,7 @@ def event_scalars(path: Path, end: RecordEnd | None = None) -> Iterator[tuple[in
             raise EventFileError(f"the record at byte {offset} is not an event ({exc})") from exc
         if found is None:
             continue
-        if masked_crc32c(data) != int.from_bytes(stored, "little"):
+        if checked and masked_crc32c(data) != int.from_bytes(stored, "little"):
             raise EventFileError(f"the record at byte {offset} has a bad data checksum: a corrupt event file")
         yield found
 
