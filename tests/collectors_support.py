@@ -110,6 +110,27 @@ def embedded_store(root: Path, log_path: Path, timeout_s: float = 120.0) -> Path
     return db
 
 
+def held_job_environ(run: str, **extra: str) -> dict[str, str]:
+    """A job's environment with the embedded service (no ``RUNHEALTH_URL``): run ``run``, records
+    every 0.2 s, directives polled every 0.5 s, and a NaN held until its proposal is decided (the
+    embedded service inherits the setting), plus ``extra``."""
+    return child_environ(
+        RUNHEALTH_RUN=run,
+        RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2",
+        RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.5",
+        RUNHEALTH_POLICIES__RESPONSE__NONFINITE="hold",
+        **extra,
+    )
+
+
+def assert_recovered_in_the_audit(db: Path, root: Path) -> None:
+    """The audit log holds the hold, the approval, the rollback, its verified resume and the
+    resolved incident; no rank left a dead letter in ``root/runhealth-spool``."""
+    audit = {row["action"] for row in table_rows(db, "audit_log")}
+    assert {"hold", "approved", "rollback_executed", "resume_verified", "incident_resolved"} <= audit, audit
+    assert [p for p in (root / "runhealth-spool").rglob("*.dead.jsonl") if p.stat().st_size] == []
+
+
 def pending_rollback(
     db: Path, run: str, step: int, log_path: Path, timeout_s: float = 150.0
 ) -> dict[str, Any]:

@@ -35,6 +35,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/test_demo.py": 60.0,
     "tests/test_multinode_tutorial.py": 53.8,  # alone beside two busy processes, 2026-12-04
     "tests/test_collectors_hf.py": 47.4,
+    "tests/test_attach_imagenet.py": 50.0,  # 50-62 s beside other helpers' runs, load 10-11, 2026-12-04
     "tests/test_restart_loop.py": 37.1,
     "tests/test_attach_word_lm.py": 36.0,  # 26-39 s beside other helpers' runs, load 5-10, 2026-12-04
     "tests/test_ingest_postgres_copy.py": 34.4,

@@ -24,9 +24,10 @@ import pytest
 from tests.adapters_support import run_rows
 from tests.collectors_support import (
     REPO,
-    child_environ,
+    assert_recovered_in_the_audit,
     embedded_store,
     finish_job,
+    held_job_environ,
     job_running,
     pending_rollback,
     table_rows,
@@ -48,12 +49,8 @@ EXAMPLES_PER_UPDATE = 4 * 2 * WORLD  # per-device batch x accumulation x ranks
 def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_resume_verifies(
     tmp_path: Path,
 ) -> None:
-    environ = child_environ(
-        RUNHEALTH_RUN=RUN,
-        RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2",
-        RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.5",
-        # The embedded service inherits it: a NaN holds every rank until its proposal is decided.
-        RUNHEALTH_POLICIES__RESPONSE__NONFINITE="hold",
+    environ = held_job_environ(
+        RUN,
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         HF_HOME=str(tmp_path / "hf"),
@@ -108,12 +105,7 @@ def test_a_nan_is_held_rolled_back_to_a_step_folder_after_cli_approval_and_the_r
     findings = [f for f in run_rows(db, "findings", RUN) if not f["kind"].startswith("straggler")]
     assert {f["kind"] for f in findings} == {"nonfinite"}, findings
     assert all(f["incarnation"] == first for f in findings)
-    audit = [row["action"] for row in table_rows(db, "audit_log")]
-    assert {"hold", "approved", "rollback_executed", "resume_verified", "incident_resolved"} <= set(audit), (
-        audit
-    )
-    dead = [p for p in (tmp_path / "runhealth-spool").rglob("*.dead.jsonl") if p.stat().st_size]
-    assert dead == []
+    assert_recovered_in_the_audit(db, tmp_path)
 
 
 def tail(path: Path) -> str:

@@ -30,12 +30,13 @@ import pytest
 from tests.adapters_support import run_rows
 from tests.collectors_support import (
     REPO,
+    assert_recovered_in_the_audit,
     child_environ,
     embedded_store,
     finish_job,
+    held_job_environ,
     job_running,
     pending_rollback,
-    table_rows,
 )
 from tests.support import require_module
 from tests.test_attach_recipes import cli
@@ -70,12 +71,7 @@ def test_a_tripled_loss_and_a_nan_are_caught_and_the_nan_rolls_back_to_the_saved
     tmp_path: Path,
 ) -> None:
     corpus(tmp_path / "data" / "synth")
-    environ = child_environ(
-        RUNHEALTH_RUN=RUN,
-        RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2",
-        RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.5",
-        RUNHEALTH_POLICIES__RESPONSE__NONFINITE="hold",  # the embedded service inherits it
-    )
+    environ = held_job_environ(RUN)
     command = [
         sys.executable, str(TRAINER), "--data", "./data/synth", "--emsize", "32", "--nhid", "32",
         "--epochs", str(EPOCHS), "--log-interval", "10", "--x3_at", "30", "--nan_at", "85",
@@ -126,9 +122,7 @@ def test_a_tripled_loss_and_a_nan_are_caught_and_the_nan_rolls_back_to_the_saved
     assert len(incidents) == 2, incidents
     resumes = run_rows(db, "resume_events", RUN)
     assert [(r["checkpoint_step"], r["restored"]["consumed"]) for r in resumes] == [(84, 84)], resumes
-    audit = [row["action"] for row in table_rows(db, "audit_log")]
-    assert {"hold", "approved", "rollback_executed", "resume_verified", "incident_resolved"} <= set(audit)
-    assert [p for p in (tmp_path / "runhealth-spool").rglob("*.dead.jsonl") if p.stat().st_size] == []
+    assert_recovered_in_the_audit(db, tmp_path)
 
 
 def tail(path: Path) -> str:
