@@ -242,3 +242,33 @@ def test_the_fast_layout_reads_what_the_field_by_field_reading_reads(
     )  # all but hp_metric at step 0
     monkeypatch.setattr(tfevents, "simple_scalar_event", lambda data: None)
     assert [list(event_scalars(path)) for path in paths] == fast
+
+
+def test_hugging_face_trainer_tags_are_read_as_loss_grad_norm_and_lr(tmp_path: Path) -> None:
+    """The Trainer's TensorBoardCallback writes each log dict's keys as tags, train/ prefixed
+    (eval_ ones as eval/), and at the end train/train_loss, the run's mean, at the last step."""
+    events = []
+    for step in range(10, 310, 10):
+        events += [
+            (step, "train/loss", 2.0),
+            (step, "train/grad_norm", 1.0),
+            (step, "train/learning_rate", 5e-05),
+        ]
+        events.append((step, "train/epoch", step / 300))
+        if step % 100 == 0:
+            events += [(step, "eval/loss", 2.1), (step, "eval/runtime", 4.2)]
+    events += [(300, "train/train_runtime", 439.1), (300, "train/train_loss", 9.9)]
+    path = write_events(
+        tmp_path / "runs" / "Jan01_00-00-00_host" / "events.out.tfevents.1700000000.host.1.0", events
+    )
+    loaded = load_series(path.parent.parent, {}, None)
+    [series] = loaded.series
+    assert [p.step for p in series.points] == list(range(10, 310, 10))
+    assert {(p.loss, p.grad_norm, p.lr) for p in series.points} == {
+        (2.0, 1.0, struct.unpack("<f", struct.pack("<f", 5e-05))[0])
+    }
+    assert loaded.notes[:3] == [
+        "read column 'train/loss' as loss (--column train/loss=FIELD to choose)",
+        "read column 'train/grad_norm' as grad_norm (--column train/grad_norm=FIELD to choose)",
+        "read column 'train/learning_rate' as lr (--column train/learning_rate=FIELD to choose)",
+    ]
