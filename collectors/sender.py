@@ -193,8 +193,9 @@ class Sender:
         self._poll()
         if not self._down():
             self._replay()
-        self._move_queue()
-        self._maybe_heartbeat()
+        beat = self._due_heartbeat()
+        if not self._move_queue(beat) and beat is not None:
+            self._send_heartbeat(beat)
 
     def _final_flush(self) -> None:
         deadline = self._clock() + self._config.close_timeout_s
@@ -225,11 +226,14 @@ class Sender:
 
     # Delivery.
 
-    def _move_queue(self) -> None:
+    def _move_queue(self, beat: Record | None = None) -> bool:
+        """Send (or spool) what is queued; True when ``beat``, a heartbeat due this cycle, went
+        with the first batch sent: one request instead of two."""
         # Only what was queued when the cycle began: while the trainer refills the queue, a slow
         # service would otherwise keep this thread here, and heartbeats and directive polls
         # (the rest of the cycle) would wait for the training to end.
         left = len(self._queue)
+        carried = False
         while left > 0:
             batch, taken = self._take(left)
             left -= taken
@@ -238,9 +242,14 @@ class Sender:
             if self._spool.backlog() or self._down():
                 self._spool.append(batch)  # behind the backlog: nothing overtakes the spool
                 continue
-            rest = self._deliver(batch, "sent")
+            if beat is not None and not carried:
+                carried = True
+                rest = self._deliver_with_heartbeat(batch, beat)
+            else:
+                rest = self._deliver(batch, "sent")
             if rest:
                 self._spool.append(rest)
+        return carried
 
     def _replay(self) -> None:
         for _ in range(self._config.replay_batches_per_cycle):
@@ -255,10 +264,28 @@ class Sender:
         """Post ``records``; return those still to be delivered later (service down)."""
         if not records:
             return []
+        return self._settle(records, self._post(records), counter)
+
+    def _deliver_with_heartbeat(self, batch: Sequence[Record], beat: Record) -> list[Record]:
+        """``batch`` with the heartbeat last. The heartbeat is state, never spooled or
+        dead-lettered: when the batch is not delivered it counts as failed (the next one
+        supersedes it), and a batch refused as invalid is sent again without it, so the
+        heartbeat can never be what sets the batch's records aside."""
+        delivery = self._post([*batch, beat])
+        delivered = delivery.outcome is Outcome.DELIVERED
+        self._counters.add("heartbeats_sent" if delivered else "heartbeats_failed")
+        if delivery.outcome is Outcome.REJECTED:
+            return self._deliver(batch, "sent")
+        return self._settle(batch, delivery, "sent")
+
+    def _post(self, records: Sequence[Record]) -> Delivery:
         try:
-            delivery = self._transport.post(records)
+            return self._transport.post(records)
         except Exception as exc:  # a transport's own failure: the batch is kept, with why
-            delivery = self._transport_failed(exc)
+            return self._transport_failed(exc)
+
+    def _settle(self, records: Sequence[Record], delivery: Delivery, counter: str) -> list[Record]:
+        """What the answer means for ``records``: those still to be delivered later."""
         if delivery.outcome is Outcome.DELIVERED:
             self._counters.add(counter, len(records))
             self._mark_up()
@@ -347,16 +374,21 @@ class Sender:
     # so it is counted, never spooled.
 
     def _maybe_heartbeat(self, force: bool = False) -> None:
+        record = self._due_heartbeat(force)
+        if record is not None:
+            self._send_heartbeat(record)
+
+    def _due_heartbeat(self, force: bool = False) -> Record | None:
         now = self._clock()
         if now < self._next_heartbeat and not force:
-            return
+            return None
         self._next_heartbeat = now + self._config.heartbeat_interval_s
         if self._grid_phase_s is not None:  # on the grid, never later than the interval: the
             # node's heartbeats go in one cycle, together
             self._next_heartbeat = self._next_flush(self._next_heartbeat - self._config.flush_interval_s)
-        record = self._heartbeat()
-        if record is None:
-            return
+        return self._heartbeat()
+
+    def _send_heartbeat(self, record: Record) -> None:
         if self._down() and not self._shed:
             self._counters.add("heartbeats_failed")
             return

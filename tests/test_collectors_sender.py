@@ -186,3 +186,42 @@ def test_the_training_thread_never_waits_for_a_shedding_service(tmp_path: Path) 
     assert snapshot["dropped"] == 0 and snapshot["sent"] == 0
     assert snapshot["spooled"] == 2001 and snapshot["shed"] == 1
     assert len(transport.times()) == 1  # no second try inside the 30 s
+
+
+def test_a_heartbeat_due_with_a_batch_goes_in_it_and_never_sets_its_records_aside(tmp_path: Path) -> None:
+    """One request a cycle, not two: the heartbeat rides last in the cycle's first batch. A
+    batch refused as invalid is sent again without it, so a heartbeat the service names is
+    never what dead-letters the records (the heartbeat counts as failed; the next supersedes it)."""
+    posts: list[list[str]] = []
+    answers = iter([
+        DELIVERED,
+        Delivery(Outcome.REJECTED, 422, "422 invalid_record: record 2", bad_indexes=(2,)),
+        DELIVERED,
+    ])  # fmt: skip
+
+    class Recording:
+        def post(self, records: Sequence[Record]) -> Delivery:
+            posts.append([record["kind"] for record in records])
+            return next(answers)
+
+        def close(self) -> None:
+            return None
+
+    counters = Counters()
+    spool = Spool(SpoolConfig(directory=str(tmp_path / "spool"), fsync=False), "r", "n.rank0", counters)
+    sender = Sender(
+        SenderConfig(heartbeat_interval_s=0.001),
+        Recording(),
+        spool,
+        counters,
+        heartbeat=lambda: {"kind": "heartbeat", "incarnation": "inc-1", "rank": 0},
+    )
+    for cycle in range(2):
+        sender.submit(step(2 * cycle + 1))
+        sender.submit(step(2 * cycle + 2))
+        time.sleep(0.01)  # the heartbeat is due
+        sender._cycle()
+    assert posts == [["step", "step", "heartbeat"], ["step", "step", "heartbeat"], ["step", "step"]]
+    snapshot = counters.snapshot()
+    assert (snapshot["sent"], snapshot["dead_lettered"], snapshot["spooled"]) == (4, 0, 0)
+    assert (snapshot["heartbeats_sent"], snapshot["heartbeats_failed"]) == (1, 1)

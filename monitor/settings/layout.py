@@ -81,7 +81,7 @@ LEGACY_VARIABLES: Mapping[str, Path] = {
 # RUNHEALTH_HOOK__SHIFT_LABELS and the like, and the embedded service inherits its environment);
 # the service leaves their variables alone. tests/test_collectors_config.py keeps this in step.
 TRAINER_SECTIONS = frozenset(
-    {"transport", "hook", "ring", "sender", "spool", "embedded", "directives", "readers"}
+    {"transport", "hook", "ring", "sender", "spool", "embedded", "directives", "readers", "relay"}
 )
 
 # Fields that are tables kept in code, not thresholds: NVIDIA's XID catalog (policies/xid.py).
