@@ -341,8 +341,13 @@ class RelayTransport:
             self._relay_down_until = time.monotonic() + self._config.retry_relay_s
             if not self._said:
                 self._said = True
-                log.warning(
-                    "runhealth: the node's relay does not answer (%s); sending directly", delivery.reason
+                # Refused: local rank 0 closed its hook first (the usual end of a run) or ended;
+                # anything else (a timeout, a reset) means it is stuck, worth a warning.
+                gone = delivery.reason.startswith(("ConnectionRefusedError", "RemoteDisconnected"))
+                log.log(
+                    logging.INFO if gone else logging.WARNING,
+                    "runhealth: the node's relay does not answer (%s); sending directly",
+                    delivery.reason,
                 )
         self._counters.add("relay_bypassed")
         return self._direct.post(records)
