@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from monitor.judge import tfevents
+from monitor.judge import series_files, tfevents
 from monitor.judge.backtest import BacktestError, backtest, load_series, report_json
 from monitor.judge.series_files import open_text_file
 from monitor.judge.tfevents import HEADER_BYTES, event_scalars, masked_crc32c, records
@@ -272,3 +272,27 @@ def test_hugging_face_trainer_tags_are_read_as_loss_grad_norm_and_lr(tmp_path: P
         "read column 'train/grad_norm' as grad_norm (--column train/grad_norm=FIELD to choose)",
         "read column 'train/learning_rate' as lr (--column train/learning_rate=FIELD to choose)",
     ]
+
+
+def test_judging_one_run_of_a_directory_reads_that_runs_files_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of runs was read whole once per run judged; now once for its tags, once for
+    its runs, then each run's files for that run alone."""
+    runs = tmp_path / "lightning_logs"
+    one = write_events(
+        runs / "version_0" / "events.out.tfevents.1700000000.h.1.0", [(s, "loss", 2.0) for s in range(1, 11)]
+    )
+    two = write_events(
+        runs / "version_1" / "events.out.tfevents.1700000100.h.1.0", [(s, "loss", 2.0) for s in range(1, 21)]
+    )
+    reads: list[Path] = []
+    original = series_files.event_scalars
+
+    def counted(path: Path, *args: object) -> object:
+        reads.append(path)
+        return original(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(series_files, "event_scalars", counted)
+    assert report(runs, run="version_1")["steps"] == 20
+    assert (reads.count(one), reads.count(two)) == (2, 3)

@@ -242,7 +242,8 @@ class SeriesFile:
     def rows(self, run: str | None) -> Iterator[dict[str, Any]]:
         """The typed rows of ``run`` (every row without a run column), in file order."""
         first_row = 0
-        for batch in self.text.batches(list(self.fields.sources.values())):
+        apart = run if self.fields.sources.get("run") == "run" else None  # the reader's own run column
+        for batch in self.text.batches(list(self.fields.sources.values()), apart):
             table = convert(batch, self.fields, first_row)
             first_row += batch.height
             if "run" in table.columns:

@@ -51,6 +51,7 @@ class BacktestError(ValueError):
 
 
 Rows = Callable[[Path], Iterator[Mapping[str, str | None]]]
+RunRows = Callable[[Path, str], Iterator[Mapping[str, str | None]]]
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,18 @@ class TextFile:
     like a restart."""
     notes: tuple[str, ...] = ()
     """What reading the file found that the report should say (an event file cut short)."""
+    run_rows: RunRows | None = None
+    """One run's rows alone, where runs are apart (event files: the run's directory only)."""
 
-    def batches(self, columns: Sequence[str]) -> Iterator[pl.DataFrame]:
+    def batches(self, columns: Sequence[str], run: str | None = None) -> Iterator[pl.DataFrame]:
         """The file's rows in order, a block (CSV) or ``BATCH_ROWS`` (JSONL) at a time,
-        ``columns`` only, all as text."""
+        ``columns`` only, all as text; ``run``'s only (and maybe others'), when given."""
         with reading(self.path, self.separator, len(self.columns)):
             if self.separator is None:
-                rows = (self.rows or _jsonl_rows)(self.path)
+                if run is not None and self.run_rows is not None:
+                    rows = self.run_rows(self.path, run)
+                else:
+                    rows = (self.rows or _jsonl_rows)(self.path)
                 values = [name for name in columns if name not in STRUCTURAL_COLUMNS]
                 if self.sparse and values:
                     rows = (row for row in rows if any(name in row for name in values))
@@ -162,26 +168,35 @@ def open_event_files(path: Path) -> TextFile:
         for file, end in ends.items()
         if end.cut_at is not None
     ]
-    return TextFile(path, tuple(columns), None, _event_rows, sparse=True, notes=tuple(notes))
+    return TextFile(
+        path, tuple(columns), None, _event_rows, sparse=True, notes=tuple(notes), run_rows=_run_event_rows
+    )
 
 
 STRUCTURAL_COLUMNS = ("step", "run")
 """An event row's own columns; a tag of either name is left out (the event's step is the step)."""
 
 
+def _run_event_rows(path: Path, run: str) -> Iterator[dict[str, str | None]]:
+    return _event_rows(path, run=run)
+
+
 def _event_rows(
-    path: Path, ends: dict[Path, RecordEnd] | None = None, checked: bool = True
+    path: Path, ends: dict[Path, RecordEnd] | None = None, checked: bool = True, run: str | None = None
 ) -> Iterator[dict[str, str | None]]:
-    """Every event with a scalar, run after run and file after file in the order written, as a
-    row of its step, its run (when there are several) and its tags' values."""
+    """Every event with a scalar, run after run (``run``'s alone, when given) and file after file
+    in the order written, as a row of its step, its run (when there are several) and its tags'
+    values."""
     runs = event_runs(path)
     several = len(runs.files) > 1
-    for run, files in runs.files.items():
+    for name, files in runs.files.items():
+        if run is not None and name != run:
+            continue
         for file in files:
             end = (ends if ends is not None else {}).setdefault(file, RecordEnd())
             try:
                 for step, scalars in event_scalars(file, end, checked):
-                    row: dict[str, str | None] = {"step": str(step), **({"run": run} if several else {})}
+                    row: dict[str, str | None] = {"step": str(step), **({"run": name} if several else {})}
                     row.update(
                         (tag, repr(value)) for tag, value in scalars.items() if tag not in STRUCTURAL_COLUMNS
                     )
