@@ -53,6 +53,10 @@ MEGATRON = (
             {"loss": "nan", "grad_norm": "1.5", "lr": "5e-05"},
         ),
         ("{'eval_loss': 2.1, 'eval_runtime': 4.12, 'epoch': 1.0}", None),
+        (  # a step named before the dict is its step
+            "Step 100: {'loss': 2.345, 'learning_rate': 5e-05, 'epoch': 0.1}",
+            {"step": "100", "loss": "2.345", "lr": "5e-05"},
+        ),
         ("{'train_runtime': 439.1, 'train_loss': 2.63, 'epoch': 1.0}", None),  # the run's mean
         ("{'loss': 2.0}", None),  # a dict of no epoch and no step: not the Trainer's
         # ms-swift's dict names its step as global_step/max_steps

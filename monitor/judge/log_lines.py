@@ -98,7 +98,8 @@ def line_row(line: str) -> dict[str, str] | None:
         return None
     printed = PRINTED_DICT.search(line)
     if printed is not None and (row := dict_row(printed.group(1))) is not None:
-        return row
+        named = STEP.search(line, 0, printed.start()) if "step" not in row else None
+        return {"step": named.group(1), **row} if named is not None else row  # "Step 100: {...}"
     mmengine = MMENGINE.search(line)
     if mmengine is not None:
         epoch, index, length = mmengine.groups()
