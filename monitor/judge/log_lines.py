@@ -21,10 +21,11 @@ and a signal, the way the common trainers print them, for ``runhealth backtest``
 - a dict printed whole at the end of a line (``dict_row``): the Hugging Face Trainer's
   ``{'loss': 2.3456, 'grad_norm': 1.23, 'learning_rate': 4.9e-05, 'epoch': 0.01}``, with any
   prefix (``0: `` from ``srun --label``, a logger's); it names no step, so its steps are counted
-  (``log_rows``); ``eval_*`` dicts and the closing ``train_runtime`` one are no rows
+  (``log_rows``) unless one is named before it on its line; ``eval_*`` dicts and the closing
+  ``train_runtime`` one are no rows
 
-A line is read when it names a step (``iter``, ``iteration``, ``step``, ``global_step``, the
-first such number on it) and at least one of loss, grad norm, learning rate, loss scale (a
+A line is read when it names a step (``iter``, ``iteration``, ``step``, ``global_step``,
+``num_updates``, the first such number on it) and at least one of loss, grad norm, learning rate, loss scale (a
 ``name: value``, ``name=value`` or ``name value`` pair). Lines about evaluation (``val``,
 ``valid``, ``validation``, ``eval``, ``test``: nanoGPT's ``step 250: train loss ..., val loss
 ...``) are left out, so every step is a training step. Every value stays text here, as in the
