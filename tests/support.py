@@ -139,15 +139,17 @@ class PostgresServer:
             database=database,
         )
 
-    def create_database(self, prefix: str = "test") -> URL:
-        """A new, empty database with a name unique in this session."""
+    def create_database(self, prefix: str = "test", template: str | None = None) -> URL:
+        """A new database with a name unique in this session: empty, or a copy of the database
+        ``template`` (which nobody may be connected to meanwhile)."""
         name = f"{prefix}_{os.getpid()}_{next(self._names)}"
         psycopg2 = require_module("psycopg2")
         connection = psycopg2.connect(host="127.0.0.1", port=self.port, user="postgres")
         try:
             connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
             with connection.cursor() as cursor:
-                cursor.execute(f'CREATE DATABASE "{name}"')
+                copy = "" if template is None else f' TEMPLATE "{template}"'
+                cursor.execute(f'CREATE DATABASE "{name}"{copy}')
         finally:
             connection.close()
         return self.url(name)
