@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from collectors.counters import Counters
-from collectors.relay import NodeRelay, RelayConfig, RelayTransport
+from collectors.relay import NodeRelay, RelayConfig, RelayLookup, RelayTransport
 from collectors.transport import TransportConfig
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -98,7 +98,8 @@ def main() -> None:
     config = TransportConfig(url=f"http://127.0.0.1:{port.value}", token=TOKEN, run="bench")
     counters = Counters()
     transports = [
-        RelayTransport(url.value.decode(), config, RelayConfig(), counters) for _ in range(args.ranks)
+        RelayTransport(RelayLookup.known(url.value.decode()), config, RelayConfig(), counters)
+        for _ in range(args.ranks)
     ]
     waits: list[float] = []
     lock = threading.Lock()

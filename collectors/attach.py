@@ -7,6 +7,7 @@ endpoint through the job's c10d store (``collectors.rendezvous``), not a collect
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import sys
@@ -23,7 +24,7 @@ from collectors.config import RunHealthConfig, default_run_name, launcher_run_na
 from collectors.counters import Counters
 from collectors.embedded import EmbeddedService, Endpoint, store_path
 from collectors.layout import Identity
-from collectors.relay import NodeRelay, RelayTransport, local_world_size, node_key
+from collectors.relay import NodeRelay, RelayLookup, RelayTransport, local_world_size, node_key
 from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, Transport
 from collectors.spool import MemorySpool, Spool
@@ -63,8 +64,9 @@ class Destination:
     rendezvous: Rendezvous | None = None
     relay: NodeRelay | None = None
     """The node's relay, when this rank (local rank 0) runs it."""
-    relay_url: str | None = None
-    """Where this rank sends: its node's relay (every rank of the node, local rank 0 too)."""
+    relay_lookup: RelayLookup | None = None
+    """Where this rank sends: its node's relay, once found (every rank of the node, local rank
+    0 too)."""
     grid_phase_s: float | None = None
     """The phase of the node's flush grid, when it sends through a relay."""
 
@@ -112,10 +114,12 @@ def node_relay(
     environ: Mapping[str, str],
     rendezvous: Rendezvous | None,
     counters: Counters,
+    host: str,
 ) -> Destination:
-    """Local rank 0 starts its node's relay and the node's other ranks find it through the
-    job's c10d store; every rank of the node then sends through it (``collectors.relay``).
-    Only where the launcher says the node has several ranks and the job has a store."""
+    """Local rank 0 starts its node's relay and publishes it in the job's c10d store; every
+    rank of the node sends through it once it finds it there (``collectors.relay``), and
+    directly until then. Only where the launcher says the node has several ranks and the job
+    has a store."""
     ranks_here = local_world_size(environ)
     if (
         not config.relay.enabled
@@ -126,11 +130,11 @@ def node_relay(
         or ranks_here < 2
     ):
         return destination
-    key = node_key(environ, identity.node)
-    relay, url = None, None
+    key = node_key(environ, host)
+    relay, lookup = None, None
     if identity.local_rank == 0:
         upstream = replace(config.transport, url=destination.url, token=destination.token, run=run)
-        reason = ""
+        url, reason = None, ""
         try:
             relay = NodeRelay(config.relay, upstream, ranks_here, counters)
             url = relay.start()
@@ -138,13 +142,14 @@ def node_relay(
             log.error("runhealth: the node relay did not start (%s); each rank sends directly", exc)
             relay, reason = None, str(exc)
         rendezvous.publish_relay(key, url, reason)
+        if url is None:
+            return destination
+        lookup = RelayLookup.known(url)
     else:
-        url = rendezvous.relay(key, config.embedded.start_timeout_s + 30.0)
-    if url is None:
-        return destination
+        lookup = RelayLookup(functools.partial(rendezvous.relay, key))
     # Nodes flush at different phases, so the service is not asked by every node at once.
     phase = zlib.crc32(key.encode()) % 1000 / 1000 * config.sender.flush_interval_s
-    return replace(destination, relay=relay, relay_url=url, grid_phase_s=phase)
+    return replace(destination, relay=relay, relay_lookup=lookup, grid_phase_s=phase)
 
 
 def start_service(
@@ -201,8 +206,8 @@ def build_sender(
         transport = Unreachable()
     elif transport is None:
         upstream = replace(config.transport, url=destination.url, token=destination.token, run=ids.run)
-        if destination.relay_url is not None:
-            transport = RelayTransport(destination.relay_url, upstream, config.relay, counters)
+        if destination.relay_lookup is not None:
+            transport = RelayTransport(destination.relay_lookup, upstream, config.relay, counters)
         else:
             transport = HttpTransport(upstream)
     spool = open_spool(config, ids.run, spool_name(identity, ids.incarnation), counters)

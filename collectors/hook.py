@@ -201,6 +201,7 @@ class RunHealth:
                 self._environ,
                 rendezvous,
                 self._counters,
+                self._hostname(),
             )
         self._sender: Sender = attach.build_sender(
             self.config,

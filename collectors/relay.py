@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -70,12 +70,54 @@ def local_world_size(environ: Mapping[str, str]) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def node_key(environ: Mapping[str, str], node: str) -> str:
-    """The node's name among the job's nodes: torchrun's node rank (``GROUP_RANK``), which
-    differs even when two nodes share a host name (two launches on one machine), else the
-    host name the records carry."""
-    group = environ.get("GROUP_RANK", "")
-    return f"group{group}" if group.isdigit() else f"node-{node}"
+def node_key(environ: Mapping[str, str], host: str) -> str:
+    """The node's name among the job's nodes, the same for every rank on it: torchrun's node
+    rank (``GROUP_RANK``, which differs even for two launches on one machine), else Slurm's
+    (``SLURM_NODEID``), else the machine's host name (not ``RUNHEALTH_NODE``: that names the
+    records' node, and a launch may set it per rank)."""
+    for name, prefix in (("GROUP_RANK", "group"), ("SLURM_NODEID", "slurm")):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return f"{prefix}{value}"
+    return f"host-{host}"
+
+
+class RelayLookup:
+    """Where the node's relay listens, once local rank 0 has said so. Asked of the job's store
+    without waiting, on the sender thread before a post: a rank never waits at attach for its
+    node's relay (a relay that is never published would otherwise hold the rank while its peers
+    wait for it in a collective). Until it is known the rank sends directly; after ``for_s``
+    without an answer it stops asking."""
+
+    def __init__(
+        self,
+        read: Callable[[], tuple[bool, str | None]],
+        for_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self._clock = clock
+        self._until = clock() + for_s
+        self._url: str | None = None
+        self._settled = False
+
+    @classmethod
+    def known(cls, url: str) -> RelayLookup:
+        lookup = cls(lambda: (True, url))
+        lookup.url()
+        return lookup
+
+    def url(self) -> str | None:
+        if self._settled:
+            return self._url
+        try:
+            published, url = self._read()
+        except Exception as exc:  # the job's store is gone: send directly from now on
+            log.warning("runhealth: could not look up the node's relay (%s); sending directly", exc)
+            published, url = True, None
+        if published or self._clock() >= self._until:
+            self._settled, self._url = True, url
+        return url
 
 
 # --- the relay, in local rank 0's process ------------------------------------------------
@@ -315,46 +357,68 @@ class RelayTransport:
     no answer at all (refused, reset, timed out) means the relay is gone or stuck, and the
     batch goes directly, as does every batch for ``retry_relay_s`` after. A batch that reached
     the relay and then timed out may also be stored by it: the service stores a record once.
+    Until ``lookup`` knows where the relay is, batches go directly.
     """
 
     def __init__(
-        self, relay_url: str, upstream: TransportConfig, config: RelayConfig, counters: Counters
+        self, lookup: RelayLookup, upstream: TransportConfig, config: RelayConfig, counters: Counters
     ) -> None:
-        # The relay answers after its own upstream try (``timeout_s``) and the gather.
-        relay_timeout_s = upstream.timeout_s + config.gather_s + 5.0
-        self._relay = HttpTransport(TransportConfig(relay_url, upstream.token, upstream.run, relay_timeout_s))
+        self._lookup = lookup
+        self._upstream = upstream
+        self._relay: HttpTransport | None = None
         self._direct = HttpTransport(upstream)
         self._config = config
+        self._asked: tuple[str, int] | None = None
         self._relay_down_until = 0.0
         self._said = False
         self._counters = counters
 
     def ask_directives_with_posts(self, incarnation: str, rank: int) -> None:
-        self._relay.ask_directives_with_posts(incarnation, rank)
+        self._asked = (incarnation, rank)
         self._direct.ask_directives_with_posts(incarnation, rank)
+        if self._relay is not None:
+            self._relay.ask_directives_with_posts(incarnation, rank)
 
     def post(self, records: Sequence[Record]) -> Delivery:
-        if time.monotonic() >= self._relay_down_until:
-            delivery = self._relay.post(records)
+        relay = self._through()
+        if relay is not None and time.monotonic() >= self._relay_down_until:
+            delivery = relay.post(records)
             if delivery.status is not None or delivery.outcome is not Outcome.RETRY:
                 return delivery  # the service's answer, through the relay (or unencodable)
             self._relay_down_until = time.monotonic() + self._config.retry_relay_s
-            if not self._said:
-                self._said = True
-                # Refused: local rank 0 closed its hook first (the usual end of a run) or ended;
-                # anything else (a timeout, a reset) means it is stuck, worth a warning.
-                gone = delivery.reason.startswith(("ConnectionRefusedError", "RemoteDisconnected"))
-                log.log(
-                    logging.INFO if gone else logging.WARNING,
-                    "runhealth: the node's relay does not answer (%s); sending directly",
-                    delivery.reason,
-                )
-        self._counters.add("relay_bypassed")
+            self._say_gone(delivery)
+        if relay is not None:
+            self._counters.add("relay_bypassed")
         return self._direct.post(records)
+
+    def _through(self) -> HttpTransport | None:
+        if self._relay is None and (url := self._lookup.url()) is not None:
+            # The relay answers after its own upstream try (``timeout_s``) and the gather.
+            timeout_s = self._upstream.timeout_s + self._config.gather_s + 5.0
+            self._relay = HttpTransport(
+                TransportConfig(url, self._upstream.token, self._upstream.run, timeout_s)
+            )
+            if self._asked is not None:
+                self._relay.ask_directives_with_posts(*self._asked)
+        return self._relay
+
+    def _say_gone(self, delivery: Delivery) -> None:
+        if self._said:
+            return
+        self._said = True
+        # Refused: local rank 0 closed its hook first (the usual end of a run) or ended;
+        # anything else (a timeout, a reset) means it is stuck, worth a warning.
+        gone = delivery.reason.startswith(("ConnectionRefusedError", "RemoteDisconnected"))
+        log.log(
+            logging.INFO if gone else logging.WARNING,
+            "runhealth: the node's relay does not answer (%s); sending directly",
+            delivery.reason,
+        )
 
     def directives(self, incarnation: str, rank: int) -> list[dict[str, Any]] | None:
         return self._direct.directives(incarnation, rank)
 
     def close(self) -> None:
-        self._relay.close()
+        if self._relay is not None:
+            self._relay.close()
         self._direct.close()

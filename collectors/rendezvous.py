@@ -77,14 +77,17 @@ class Rendezvous:
         document = {"url": url} if url else {"error": reason}
         self._store.set(f"{self._prefix}relay/{node}", json.dumps(document))
 
-    def relay(self, node: str, timeout_s: float) -> str | None:
-        """The other ranks of the node: the relay's URL, or None (they send directly)."""
-        document = self._read(
-            f"relay/{node}", timeout_s, "no relay published for this node", "sending directly"
-        )
-        url = None if document is None else document.get("url")
-        if document is not None and not url:
+    def relay(self, node: str) -> tuple[bool, str | None]:
+        """The node's other ranks, without waiting: whether local rank 0 has published, and
+        the relay's URL (None: it did not start, and they send directly)."""
+        key = f"{self._prefix}relay/{node}"
+        if not self._store.check([key]):
+            return False, None
+        document = json.loads(self._store.get(key))
+        url = document.get("url")
+        if not isinstance(url, str) or not url:
             log.warning(
                 "runhealth: the node's relay did not start (%s); sending directly", document.get("error")
             )
-        return url if isinstance(url, str) else None
+            return True, None
+        return True, url

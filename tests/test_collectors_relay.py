@@ -17,7 +17,7 @@ from collectors.attach import Destination, node_relay
 from collectors.config import ConfigError, RunHealthConfig
 from collectors.counters import Counters
 from collectors.layout import Identity, data_parallel
-from collectors.relay import NodeRelay, RelayConfig, RelayTransport, node_key
+from collectors.relay import NodeRelay, RelayConfig, RelayLookup, RelayTransport, node_key
 from collectors.rendezvous import Rendezvous
 from collectors.sender import Sender, SenderConfig
 from collectors.spool import MemorySpool, SpoolConfig
@@ -49,7 +49,8 @@ class Node:
         self.relay = NodeRelay(self.config, self.upstream, RANKS, self.counters)
         relay_url = self.relay.start()
         self.transports = [
-            RelayTransport(relay_url, self.upstream, self.config, self.counters) for _ in range(RANKS)
+            RelayTransport(RelayLookup.known(relay_url), self.upstream, self.config, self.counters)
+            for _ in range(RANKS)
         ]
         for rank, transport in enumerate(self.transports):
             transport.ask_directives_with_posts("inc-1", rank)
@@ -184,8 +185,9 @@ def test_ranks_of_a_node_flush_and_beat_on_one_grid() -> None:
 
 
 def test_the_relays_node_is_torchruns_node_rank_else_the_host() -> None:
-    assert node_key({"GROUP_RANK": "3"}, "host-a") == "group3"
-    assert node_key({}, "host-a") == "node-host-a"
+    assert node_key({"GROUP_RANK": "3", "SLURM_NODEID": "1"}, "host-a") == "group3"
+    assert node_key({"SLURM_NODEID": "1"}, "host-a") == "slurm1"
+    assert node_key({}, "host-a") == "host-host-a"
 
 
 class RecordingTransport:
@@ -197,7 +199,11 @@ class RecordingTransport:
 
 
 def identity(local_rank: int) -> Identity:
-    return Identity(local_rank, 2, local_rank, "host-a", "cpu", None, data_parallel(local_rank, 2))
+    # Each rank names its own node (RUNHEALTH_NODE, as the recovery tests set it): the relay's
+    # node is the machine's, so they still share one.
+    return Identity(
+        local_rank, 2, local_rank, f"node-{local_rank}", "cpu", None, data_parallel(local_rank, 2)
+    )
 
 
 def test_local_rank_0_publishes_its_relay_in_the_jobs_store_and_the_others_send_through_it(
@@ -205,23 +211,52 @@ def test_local_rank_0_publishes_its_relay_in_the_jobs_store_and_the_others_send_
 ) -> None:
     torch = require_module("torch")
     store = Rendezvous(torch.distributed.HashStore(), "inc-1")  # the c10d store attach uses
-    environ = {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    environ = {"LOCAL_WORLD_SIZE": "2"}
     config = RunHealthConfig()
     direct = Destination(url=serve.url, token="rh_run_x")
     counters = Counters()
-    leader = node_relay(config, identity(0), "relay-found", direct, environ, store, counters)
+    # The other rank attaches first: it does not wait for the relay, and finds it later.
+    other = node_relay(config, identity(1), "relay-found", direct, environ, store, Counters(), "host-a")
+    assert other.relay is None and other.relay_lookup is not None
+    assert other.relay_lookup.url() is None  # not published yet: sent directly meanwhile
+    leader = node_relay(config, identity(0), "relay-found", direct, environ, store, counters, "host-a")
     try:
-        other = node_relay(config, identity(1), "relay-found", direct, environ, store, Counters())
-        assert leader.relay is not None and other.relay is None
-        assert other.relay_url == leader.relay_url == leader.relay.url
+        assert leader.relay is not None and leader.relay_lookup is not None
+        assert other.relay_lookup.url() == leader.relay_lookup.url() == leader.relay.url
         assert other.grid_phase_s == leader.grid_phase_s  # one grid for the node
     finally:
         if leader.relay is not None:
             leader.relay.stop()
     # Off, or where the launcher does not say the node has several ranks: sent directly.
     off = RunHealthConfig.from_environ({"RUNHEALTH_RELAY__ENABLED": "0"})
-    assert node_relay(off, identity(0), "r", direct, environ, store, counters) is direct
-    assert node_relay(config, identity(0), "r", direct, {}, store, counters) is direct
-    assert node_relay(config, identity(0), "r", direct, environ, None, counters) is direct
+    assert node_relay(off, identity(0), "r", direct, environ, store, counters, "host-a") is direct
+    assert node_relay(config, identity(0), "r", direct, {}, store, counters, "host-a") is direct
+    assert node_relay(config, identity(0), "r", direct, environ, None, counters, "host-a") is direct
     with pytest.raises(ConfigError, match="RUNHEALTH_RELAY__GATHER_S"):
         RunHealthConfig.from_environ({"RUNHEALTH_RELAY__GATHER_S": "0"})
+
+
+def test_a_relay_never_published_costs_a_rank_nothing_and_it_stops_asking(serve: ServeProcess) -> None:
+    """A rank whose node's relay never appears (local rank 0 attached without it) sends every
+    batch directly from the first, and asks the store only until ``for_s`` has passed. Before,
+    it waited 90 s at attach for the key while its peers waited for it in a collective."""
+    run = "relay-never"
+    token = serve.create_run(run)
+    asked, clock = [], {"now": 0.0}
+
+    def read() -> tuple[bool, str | None]:
+        asked.append(clock["now"])
+        return False, None
+
+    lookup = RelayLookup(read, for_s=120.0, clock=lambda: clock["now"])
+    counters = Counters()
+    transport = RelayTransport(lookup, TransportConfig(serve.url, token, run, 5.0), RelayConfig(), counters)
+    try:
+        for attempt, now in enumerate((0.0, 60.0, 121.0, 200.0), start=1):
+            clock["now"] = now
+            assert transport.post([step(attempt, 1)]).outcome is Outcome.DELIVERED
+    finally:
+        transport.close()
+    assert asked == [0.0, 60.0, 121.0]  # not after for_s
+    assert counters.snapshot()["relay_bypassed"] == 0  # no relay to bypass
+    assert len(step_rows(serve.db, run)) == 4
