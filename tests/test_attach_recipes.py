@@ -24,7 +24,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class Job:
         self.spool = root / "spool"
         self.process: subprocess.Popen[bytes] | None = None
         self.log = root / f"{run}-{len(list(root.glob(f'{run}*.log')))}.log"
+        self.stop_file = f"{self.log.stem}.stop"  # the trainers' --stop_file, in ``root``
 
     def environ(self) -> dict[str, str]:
         return child_environ(
@@ -139,10 +140,28 @@ class Job:
 
         assert wait_until(done, timeout_s, 0.25), self.serve.log_tail()
 
+    def stop_once_resumed_to(self, step: int, timeout_s: float = 240.0) -> None:
+        """End the job (its trainer's ``--stop_file``) once every rank of its resumed incarnation
+        has trained to ``step``. A rollback test's run is long (``max_iters``) so that its hold
+        lands before it ends however loaded the machine; the updates after the resume past what
+        the test checks took 20 s of each test."""
+
+        trained = wait_until(lambda: every_rank_resumed_to(self.rows, step), timeout_s, 0.5)
+        assert trained, self.log.read_text(errors="replace")[-4000:]
+        (self.root / self.stop_file).touch()
+
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()  # a test that failed early: its job, by PID
             self.process.wait()
+
+
+def every_rank_resumed_to(rows: Callable[[str], list[dict[str, Any]]], step: int) -> bool:
+    """Whether every rank of a run's resumed incarnation has stored a window at ``step`` or
+    later (``rows``: the run's rows of a table)."""
+    resumed = {r["incarnation"] for r in rows("resume_events")}
+    reached = {s["rank"] for s in rows("step_records") if s["incarnation"] in resumed and s["step"] >= step}
+    return reached == set(range(WORLD))
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +260,12 @@ def test_nanogpt_with_the_hook_and_values_alone_stores_every_window_and_opens_no
     assert clean.dead_letters() == []
 
 
+AFTER_RESUME = 50
+"""Updates a rolled-back run trains past its checkpoint before the test ends it: well past the
+resume, its evaluation at the checkpoint's step (and the save it may make there) and the step
+the fault was at, where a second rollback (a recovery loop) or a critical finding would begin."""
+
+
 def approve_and_verify_rollback(
     run: Job,
     engine: Engine,
@@ -254,7 +279,8 @@ def approve_and_verify_rollback(
     incident first seen at ``first_step`` on ``ranks`` (later windows may spread it to every
     rank). Approved from the CLI, every rank stops at one step, restores, resumes at the step
     after the checkpoint and the resume verifies: the incident is resolved, no second
-    rollback, nothing else critical, no dead letters."""
+    rollback, nothing else critical, no dead letters. The run is ended (``--stop_file``) once
+    every rank has trained ``AFTER_RESUME`` updates past the checkpoint."""
     with engine.begin() as connection:
         operator = add_operator(connection, f"oncall-{run.run}", actor="tests", now=time.time())
     proposal = wait_for_proposal(run, engine)
@@ -263,6 +289,7 @@ def approve_and_verify_rollback(
     approved = cli(workdir, "approve", str(proposal["id"]), "--reason", kind, "--url", run.serve.url,
                    "--token", operator)  # fmt: skip
     assert approved["ok"], approved
+    run.stop_once_resumed_to(checkpoint + AFTER_RESUME)
     run.wait(timeout_s=300)
 
     acks = [
@@ -307,7 +334,7 @@ def test_nanogpt_rolls_back_a_nan_after_approval_and_its_resume_verifies(
     # (a NaN val loss is no improvement), so step 40 stays the newest valid checkpoint.
     nan.torchrun(
         "nanogpt_hooked.py", "--nan_at=70", "--nan_rank=1", "--always_save_checkpoint=False",
-        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
+        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05", f"--stop_file={nan.stop_file}",
     )  # fmt: skip
     approve_and_verify_rollback(nan, engine, workdir, "nonfinite", 71, [1])
 
@@ -349,7 +376,7 @@ def test_nanogpt_a_corrupted_batch_is_a_spike_at_its_step_rolled_back_after_appr
     request.addfinalizer(engine.dispose)
     bad.torchrun(
         "nanogpt_hooked.py", "--corrupt_at=70", "--corrupt_rank=2", "--always_save_checkpoint=False",
-        "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05",
+        "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05", f"--stop_file={bad.stop_file}",
     )  # fmt: skip
     approve_and_verify_rollback(bad, engine, workdir, "spike", 71, [2], checkpoint=60)
     assert {i["kind"] for i in bad.rows("incidents")} == {"spike"}
@@ -371,7 +398,7 @@ def test_nanogpt_a_nan_right_after_a_save_is_rolled_back_to_it_once_its_manifest
         operator = add_operator(connection, "oncall-ann", actor="tests", now=time.time())
     nan.torchrun(
         "nanogpt_hooked.py", "--nan_at=41", "--nan_rank=1", "--always_save_checkpoint=False",
-        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05",
+        "--eval_interval=40", "--max_iters=300", "--iter_sleep=0.05", f"--stop_file={nan.stop_file}",
     )  # fmt: skip
     proposal = wait_for_proposal(nan, engine)
     assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 40)
@@ -382,6 +409,7 @@ def test_nanogpt_a_nan_right_after_a_save_is_rolled_back_to_it_once_its_manifest
     approved = cli(workdir, "approve", str(proposal["id"]), "--reason", "NaN", "--url", serve.url,
                    "--token", operator)  # fmt: skip
     assert approved["ok"], approved
+    nan.stop_once_resumed_to(40 + AFTER_RESUME)
     nan.wait(timeout_s=300)
     nan.judged()
     # The rollback's target is the first save at 40: the resumed run evaluates at 40 again and

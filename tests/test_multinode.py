@@ -31,7 +31,7 @@ from monitor.store.operators import add_operator
 from tests.adapters_support import run_rows
 from tests.collectors_support import ServeProcess, child_environ, store_engine, table_rows, wait_until
 from tests.support import PostgresServer, free_port, require_module
-from tests.test_attach_recipes import TARGETS, TRAINERS, cli, token_files
+from tests.test_attach_recipes import AFTER_RESUME, TARGETS, TRAINERS, cli, every_rank_resumed_to, token_files
 
 torch = require_module("torch")
 pytestmark = pytest.mark.slow
@@ -39,9 +39,11 @@ pytestmark = pytest.mark.slow
 WORLD = 4
 # The bad batch at iteration 70, 50 iterations before the next evaluation (120), which saves
 # over the one checkpoint file when the val loss improved: the hold comes well before it, also
-# with the machine loaded (an evaluation every 40 left 9 iterations, too few under load).
+# with the machine loaded (an evaluation every 40 left 9 iterations, too few under load). The
+# test ends the job (the file ``stop``) once every rank has trained AFTER_RESUME updates past the
+# checkpoint it rolled back to; max_iters only bounds it.
 CORRUPTED = ["--corrupt_at=70", "--corrupt_rank=3", "--always_save_checkpoint=False",
-             "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05"]  # fmt: skip
+             "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05", "--stop_file=stop"]  # fmt: skip
 
 
 class TwoNodeJob:
@@ -138,6 +140,9 @@ def run_and_verify(job: TwoNodeJob, approve: Callable[[int], dict[str, Any]]) ->
     assert (proposal["action"], proposal["target"]["step"]) == ("rollback", 60)
     approved = approve(proposal["id"])
     assert approved["ok"], approved
+    trained = wait_until(lambda: every_rank_resumed_to(job.rows, 60 + AFTER_RESUME), 240.0, 0.5)
+    assert trained, job.log(0) + job.log(1)
+    (job.root / "stop").touch()
     job.wait()
 
     steps = job.rows("step_records")

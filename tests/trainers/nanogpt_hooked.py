@@ -15,10 +15,12 @@ draws. DDP on gloo, on the CPU, one thread per rank.
 the lines that differ). The test knobs are in both alike: ``nan_at`` (rank ``nan_rank``'s loss
 at that iteration is NaN, once per process), ``corrupt_at`` (rank ``corrupt_rank``'s
 first microbatch at that iteration is random tokens, once per process: a corrupted shard), ``iter_sleep`` (seconds added to
-each step), ``crash_at`` (the process raises after that iteration's update) and
+each step), ``crash_at`` (the process raises after that iteration's update),
 ``resume_fault``, what a faulty restore forgets: ``weights``, ``optimizer`` (its state; the rate
 is still set by the loop) or ``lr`` (the schedule's place: it restarts at this process's first
-iteration).
+iteration), and ``stop_file``: the run ends after the first iteration that finds this file, every
+rank at the same one (the test ends a run once what it checks has happened; ``max_iters`` is then
+only a bound).
 """
 
 import ast
@@ -68,6 +70,7 @@ corrupt_rank = 2
 iter_sleep = 0.0
 crash_at = -1  # the test's crash: this process raises at that iteration, before its step
 resume_fault = ""  # the test's broken resumes: "weights", "optimizer" or "lr"
+stop_file = ""  # the test's stop: the loop ends once this file exists
 for arg in sys.argv[1:]:
     key, value = arg.removeprefix("--").split("=", 1)
     if key not in globals():
@@ -184,6 +187,15 @@ def estimate_loss():
     return out
 
 
+def stop_requested():
+    """Whether ``stop_file`` exists, agreed by every rank (one that stopped alone would leave the
+    others waiting in their next all-reduce)."""
+    flag = torch.tensor(float(os.path.exists(stop_file)))
+    if ddp:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
@@ -244,7 +256,7 @@ while True:
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms")
     iter_num += 1
     local_iter_num += 1
-    if iter_num > max_iters:
+    if iter_num > max_iters or (stop_file and stop_requested()):
         break
 
 if ddp:
