@@ -53,6 +53,8 @@ def test_the_demo_recovers_from_a_bad_batch_and_flags_the_failing_device(
     assert hold["released"] == "approved" and hold["at_step"] >= 150
     assert result["stopped_at"] == [hold["at_step"]]  # the held ranks stopped where they held
     assert result["story"].index("hold") < result["story"].index("hold_released")
+    relay = result["relay"]  # the four ranks share one machine: its relay sends their batches together
+    assert relay["batches"] > relay["requests"] > 0, relay
     readers = result["readers"]  # rank 0's, which reads for the node: what it samples, or why not
     assert set(readers) == {"nvml", "links"}
     assert all(line.startswith(("sampling ", "idle: ")) for line in readers.values()), readers

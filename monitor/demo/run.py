@@ -240,6 +240,7 @@ class Demo:
                 RANK=str(rank),
                 WORLD_SIZE=str(self.config.world),
                 LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(self.config.world),  # one machine: the ranks share a relay
                 OMP_NUM_THREADS="1",
                 RUNHEALTH_URL=self.url,
                 RUNHEALTH_TOKEN=self.token,
@@ -468,6 +469,12 @@ def report(
         f"  every rank stopped at step {stopped}, restored step {recovered['target']['step']}, skipped "
         f"{recovered['skip_batches']} and resumed; incident {recovered['incident']}: [bold]{story['status']}[/bold]"
     )
+    relayed = results[0]["counters"]  # local rank 0 runs the node's relay
+    per_request = relayed["relay_batches"] / max(1, relayed["relay_posts"])
+    demo.say(
+        f"[bold]node relay[/bold] (rank 0): the {demo.config.world} ranks' {relayed['relay_batches']} batches "
+        f"reached the service in {relayed['relay_posts']} requests ({per_request:.1f} a request)"
+    )
     readers = results[0]["readers"]  # rank 0 reads for the node: these are CPU ranks
     demo.say(
         f"[bold]device and link readers[/bold] (rank 0): NVML {readers['nvml']}; links {readers['links']}"
@@ -548,6 +555,7 @@ def report(
         "outage": outage,
         "hold": hold,
         "readers": readers,
+        "relay": {"requests": relayed["relay_posts"], "batches": relayed["relay_batches"]},
         "goodput": goodput,
     }
 
