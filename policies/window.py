@@ -50,6 +50,10 @@ class RobustWindow:
     def median(self) -> float:
         return median_of_sorted(self.ordered)
 
+    def recent_median(self, count: int) -> float:
+        """The median of the newest ``count`` values (all of them when fewer)."""
+        return median_of_sorted(sorted(self.values[-count:]))
+
     def mad(self) -> float:
         return mad(self.ordered, self.median())
 

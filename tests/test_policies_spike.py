@@ -277,3 +277,24 @@ def test_the_tail_of_an_abandoned_timeline_is_dropped() -> None:
     assert state.tail.level(4, 0) == pytest.approx(0.025, abs=0.005)  # the one at 150
     assert state.tail.before(200).level(2, 0) == pytest.approx(0.025, abs=0.005)  # 100, then 150
     assert state.tail.before(150).level(2, 0) is None  # only 100 (the small noise was crowded out)
+
+
+@pytest.mark.parametrize("recent", [0, 10])
+def test_a_tripled_loss_under_the_trailing_median_of_a_fast_fall_is_judged_against_the_recent_level(
+    recent: int,
+) -> None:
+    """A loss falling fast (pytorch/examples' MNIST at Adadelta's lr 1.0) sits far below the
+    100-window median: a tripled batch (0.07 -> 0.21) stays under it (0.25) and was missed.
+    Judged against the median of the newest 10 values as well, it is a spike; the clean fall
+    around it raises nothing either way."""
+    config = SpikeConfig(recent=recent)
+    noise = random.Random(7)
+    state = SpikeState.empty(config)
+    found = []
+    for step in range(1, 201):
+        value = 3.0 * math.exp(-step / 40) * (1 + 0.01 * noise.uniform(-1, 1))
+        if step == 150:
+            value *= 3
+        state, findings = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
+        found += [(f.step, f.kind) for f in findings]
+    assert found == ([(150, "loss_spike")] if recent else [])
