@@ -12,7 +12,9 @@ before it returned; with an ``async_stager`` (``DefaultStager``, PyTorch 2.9 on)
     response.staging_completion.result()                         # before the next optimizer.step()
 
 The checkpoint is recorded (and becomes a rollback target once its manifest is) only when its
-storage completed; a storage future that raised records nothing and says so in the log. The
+storage completed; a storage future that raised records nothing and says so in the log. A
+future wakes the threads waiting on it before it runs its callbacks, so the hook's close waits
+for a staged save's publication, and a save is published only after its staging was told. The
 futures stay the trainer's: it still waits on them and sees their exceptions (the reference
 text: "propagate future exceptions").
 """
@@ -20,12 +22,18 @@ text: "propagate future exceptions").
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from os import PathLike
 from typing import Any, Protocol
 
 log = logging.getLogger("runhealth.collectors")
+
+STAGED_CALLBACK_WAIT_S = 10.0
+"""How long a storage future's callback waits for its staging future's callbacks before it
+publishes the save. Ours takes microseconds (a lock, a count); the bound only keeps a storage
+thread from waiting forever on a staging callback (another's) that never returns."""
 
 
 class SaveEvents(Protocol):
@@ -63,12 +71,21 @@ def track_async_save(
     ``checkpoint_saved`` of ``step`` at ``path`` (call ``rh.checkpoint_saving(step)`` before
     ``async_save``). Returns at once; nothing here waits on a future."""
     staging, storage = completion_futures(response)
+    staged_told = threading.Event()
 
     def staged(future: Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            rh.checkpoint_staged(step)
+        try:
+            if not future.cancelled() and future.exception() is None:
+                rh.checkpoint_staged(step)
+        finally:
+            staged_told.set()
 
     def stored(future: Future[Any]) -> None:
+        # A stager's storage waits for the staging future, whose waiters wake before its callbacks
+        # run: published before ``staged`` ran, the save would count as blocking (no staging time,
+        # no updates before staging).
+        if staging is not None and staging.done():
+            staged_told.wait(STAGED_CALLBACK_WAIT_S)
         error = future.exception() if not future.cancelled() else "cancelled"
         if error is not None:
             log.warning(

@@ -17,12 +17,13 @@ this is on the step path: it reads the counters the windows keep anyway, at the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
@@ -103,6 +104,8 @@ class CheckpointEvents:
         self.manifests = ManifestWorker(self._send_checkpoint, config.hook.manifest_settle_s)
         self._saves: deque[SaveMark] = deque()
         self._saves_lock = threading.Lock()  # staged and saved may come from a save's own thread
+        self._saves_changed = threading.Condition(self._saves_lock)  # close waits on it
+        self._publishing = 0  # ``checkpoint_saved`` calls under way, on any thread
         self._published: str | None = None  # the last checkpoint this hook recorded: the recovery point
         self.run_named_at_start: str | None = None
         """Rank 0's run name when only the start time named it (``RunId.by_start_time``)."""
@@ -171,6 +174,7 @@ class CheckpointEvents:
             mark = self._mark(step, staged=None)
             if mark is not None:
                 self._saves.remove(mark)
+                self._saves_changed.notify_all()
         phases = getattr(self._windows, "phases", None)
         if phases is not None and phases.current[0] is Phase.SAVING:
             phases.current = (Phase.DATA, time.perf_counter(), None)
@@ -256,6 +260,37 @@ class CheckpointEvents:
         checkpoint continues from it. A save declared with ``checkpoint_saving`` is timed to
         this call and takes its consumed count from there; this call may come from the thread
         that stored it (an asynchronous save's storage future)."""
+        with self._publishing_one():  # close waits for it: the record is made before the sender stops
+            mark = self._record_saved(step, path, manifest, consumed, tags, metrics, hash_files)
+        # The canary runs on the training thread only (not on a save's storage thread).
+        on_training_thread = mark is None or mark.thread == threading.get_ident()
+        if self._config.hook.canary_on_checkpoint and self._windows.active and on_training_thread:
+            self._agent.run_canary(None)
+
+    @contextlib.contextmanager
+    def _publishing_one(self) -> Iterator[None]:
+        """A ``checkpoint_saved`` under way (``_nothing_storing``)."""
+        with self._saves_changed:
+            self._publishing += 1
+        try:
+            yield
+        finally:
+            with self._saves_changed:
+                self._publishing -= 1
+                self._saves_changed.notify_all()
+
+    def _record_saved(
+        self,
+        step: int,
+        path: str | PathLike[str],
+        manifest: Mapping[str, Any] | None,
+        consumed: int | None,
+        tags: Sequence[str] | None,
+        metrics: Mapping[str, float] | None,
+        hash_files: bool,
+    ) -> SaveMark | None:
+        """``checkpoint_saved``'s record, sent or handed to the manifest worker; the declared
+        save it ended, if any."""
         published = time.perf_counter()
         phases = getattr(self._windows, "phases", None)
         if phases is not None and phases.current[0] is Phase.SAVING:  # over: between windows again
@@ -281,10 +316,7 @@ class CheckpointEvents:
             self.manifests.submit(
                 ManifestJob(step, location, now, consumed, job_tags, dict(metrics or {}) or None)
             )
-        # The canary runs on the training thread only (not on a save's storage thread).
-        on_training_thread = mark is None or mark.thread == threading.get_ident()
-        if self._config.hook.canary_on_checkpoint and self._windows.active and on_training_thread:
-            self._agent.run_canary(None)
+        return mark
 
     def _sends_checkpoints(self) -> bool:
         """Rank 0, or not attached yet (the outbox decides then)."""
@@ -305,8 +337,29 @@ class CheckpointEvents:
         self._outbox.submit_event(event)
 
     def finish_manifests(self) -> None:
-        """At close: every checkpoint still being hashed is recorded before the sender stops."""
+        """At close: the asynchronous saves still storing are published (waited for as long as
+        the sender's ``close_timeout_s`` gives what is left), then every checkpoint still being
+        hashed is recorded before the sender stops. A storage future wakes the trainer's
+        ``result()`` before it runs its callbacks: a trainer that waits for its last save and
+        closes at once would otherwise close before ``track_async_save`` published it."""
+        timeout_s = self._config.sender.close_timeout_s
+        with self._saves_changed:
+            published = self._saves_changed.wait_for(self._nothing_storing, timeout_s)
+            storing = sum(mark.staged is not None for mark in self._saves)
+        if not published:
+            log.warning(
+                "runhealth hook: %d asynchronous save(s) still storing after %.0f s at close: "
+                "not recorded (wait for their storage before closing the hook)",
+                storing,
+                timeout_s,
+            )
         self.manifests.finish()
+
+    def _nothing_storing(self) -> bool:
+        """No staged save awaits its publication and none is being published (the caller
+        holds the lock). A declared save never staged is not waited for: a blocking save that
+        never ended (the run failed in it) is not coming."""
+        return self._publishing == 0 and all(mark.staged is None for mark in self._saves)
 
     @guarded
     def resumed(

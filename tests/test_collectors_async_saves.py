@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,32 @@ def test_an_optimizer_step_before_staging_completed_is_a_finding_and_no_rollback
     target = recovery_point(service, run, first_affected_step=22)
     assert target is not None and target.step == 10  # the newer checkpoint is torn
     assert findings(service, run, "previous_deleted_before_publish") == []
+
+
+def test_a_save_the_trainer_waited_for_is_recorded_though_the_hook_closes_before_its_callbacks_ran(
+    service: Service, run: RunHandle, tmp_path: Path
+) -> None:
+    trainer = Trainer(service, run, tmp_path)
+    rh = trainer.rh
+    ckpt = tmp_path / "ckpt-5.pt"
+    response = AsyncSaveResponse(staging_completion=Future(), upload_completion=Future())
+    closed = threading.Event()
+    # The storage future wakes the trainer's result() first and runs its callbacks after: here
+    # another callback, first in line, holds the storage thread until the hook closed (or 3 s).
+    response.upload_completion.add_done_callback(lambda _: closed.wait(3.0))
+    with rh:
+        trainer.train(5)
+        rh.checkpoint_saving(5)
+        torch.save(trainer.state(), ckpt)
+        response.staging_completion.set_result(None)
+        track_async_save(rh, 5, ckpt, response)
+        storer = threading.Thread(target=response.upload_completion.set_result, args=(None,))
+        storer.start()
+        response.upload_completion.result(60)  # the last save stored: the trainer closes at once
+    closed.set()
+    storer.join(60)
+    row = recorded(service, run).get(5)
+    assert row is not None and row["tags"] == [ASYNC_TAG] and row["manifest"] is not None
 
 
 def test_the_previous_recovery_point_deleted_before_the_new_one_is_published_is_named(
