@@ -2,12 +2,13 @@ import math
 import random
 
 import pytest
+import torch
 
 from policies.spike import SpikeConfig, SpikeState, observe_spike
 from policies.stats import MAD_TO_SIGMA
 from policies.types import Severity, StepPoint
 
-CONFIG = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05)
+CONFIG = SpikeConfig(window=20, warmup=10, z=10.0, min_relative=0.05, settle_steps=0)
 
 
 def warmed(values: list[float], config: SpikeConfig = CONFIG) -> SpikeState:
@@ -298,3 +299,67 @@ def test_a_tripled_loss_under_the_trailing_median_of_a_fast_fall_is_judged_again
         state, findings = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
         found += [(f.step, f.kind) for f in findings]
     assert found == ([(150, "loss_spike")] if recent else [])
+
+
+class _ExamplesMnistNet(torch.nn.Module):
+    """pytorch/examples' mnist/main.py network, as its README trains it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = torch.nn.Conv2d(32, 64, 3, 1)
+        self.fc1 = torch.nn.Linear(9216, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv2(torch.relu(self.conv1(x)))), 2)
+        x = torch.nn.functional.dropout(torch.flatten(x, 1), 0.25, self.training)
+        x = torch.nn.functional.dropout(torch.relu(self.fc1(x)), 0.5, self.training)
+        return torch.log_softmax(self.fc2(x), dim=1)
+
+
+def _first_losses_from_scratch(steps: int, seed: int) -> list[float]:
+    torch.manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)
+    digits = torch.rand(10, 1, 28, 28, generator=rng)  # one noisy prototype per class
+    model = _ExamplesMnistNet()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    losses = []
+    for _ in range(steps):
+        labels = torch.randint(0, 10, (32,), generator=rng)
+        images = (digits[labels] + 0.8 * torch.randn(32, 1, 28, 28, generator=rng) - 0.1307) / 0.3081
+        optimizer.zero_grad()
+        loss = torch.nn.functional.nll_loss(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_overshoot_of_the_first_updates_from_scratch_is_not_a_spike() -> None:
+    """The MNIST example's second update overshoots (x3 to x5 of the untrained 2.3) and is
+    back by its fourth; before ``settle_steps`` this was a critical cold-start spike."""
+    torch.set_num_threads(1)
+    losses = _first_losses_from_scratch(6, seed=0)
+    assert max(losses[1:3]) > 1.3 * losses[0]  # the overshoot the cold start would judge
+
+    def findings(config: SpikeConfig) -> list[tuple[int, str]]:
+        state, found = SpikeState.empty(config), []
+        for step, value in enumerate(losses):
+            state, new = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
+            found += [(f.step, f.kind) for f in new]
+        return found
+
+    assert findings(SpikeConfig()) == []
+    assert findings(SpikeConfig(settle_steps=0))[0] in ((1, "loss_spike"), (2, "loss_spike"))
+
+
+def test_settling_ends_at_settle_steps_and_a_late_attach_is_judged_from_its_first_values() -> None:
+    config = SpikeConfig(settle_steps=10)
+    state = SpikeState.empty(config)
+    for step in range(9):
+        state, _ = observe_spike(state, StepPoint(step=step, loss=2.0), "loss", config)
+    assert observe_spike(state, StepPoint(step=9, loss=9.0), "loss", config)[1] == ()
+    assert len(observe_spike(state, StepPoint(step=10, loss=9.0), "loss", config)[1]) == 1
+    late = observe_spike(SpikeState.empty(config), StepPoint(step=6000, loss=2.0), "loss", config)[0]
+    assert len(observe_spike(late, StepPoint(step=6001, loss=9.0), "loss", config)[1]) == 1
