@@ -300,7 +300,8 @@ class RunHealth:
         if destination is None:
             return
         if destination.relay is not None:  # this rank's own records went through it already
-            destination.relay.stop()
+            # The node's other ranks may still be sending their last batches through it.
+            destination.relay.stop(wait_for_ranks_s=self.config.relay.close_wait_s if wait_for_peers else 0.0)
         rendezvous = destination.rendezvous
         if rendezvous is not None:
             rendezvous.done()

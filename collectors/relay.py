@@ -15,6 +15,11 @@ the node has a batch waiting, or ``gather_s`` after the first, whichever is soon
 batch the service refuses (409, 413, 422) is sent again one rank's batch at a time, so each
 rank hears exactly what it would have heard alone. A rank whose relay does not answer (local
 rank 0 ended or is stuck) sends directly (``RelayTransport``).
+
+At the end of a run local rank 0 often closes its hook first. Each rank says so to the relay
+when its sender has sent its last batch (``/closed``), and local rank 0 keeps the relay up until
+every rank of the node has said it, or ``close_wait_s``: the ranks' last batches and closing
+heartbeats still go together, not around the relay.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from collectors.wire import Record, encode_batch
 
 log = logging.getLogger("runhealth.collectors")
 
+CLOSED_TIMEOUT_S = 2.0
+"""How long a closing rank tries to tell its relay: the relay answers at once, or is gone."""
+
 
 @dataclass(frozen=True)
 class RelayConfig:
@@ -50,18 +58,22 @@ class RelayConfig:
     ``max_records``: 20,000 records per upstream batch, under the service's 50,000 limit.
     ``retry_relay_s``: 30 s: a rank whose relay did not answer sends directly for this long
     before it tries the relay again.
+    ``close_wait_s``: 10 s, the most local rank 0's close waits for the node's other ranks to
+    close theirs (a run that ends well ends its ranks within a step of each other; a rank that
+    died never says it closed). Not waited for when the run failed.
     """
 
     enabled: bool = True
     gather_s: float = 0.1
     max_records: int = 20_000
     retry_relay_s: float = 30.0
+    close_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.gather_s <= 5:
             raise ValueError(f"RelayConfig.gather_s must be in (0, 5] s, got {self.gather_s}")
-        if self.max_records < 1 or self.retry_relay_s <= 0:
-            raise ValueError("RelayConfig: max_records >= 1 and retry_relay_s > 0")
+        if self.max_records < 1 or self.retry_relay_s <= 0 or self.close_wait_s < 0:
+            raise ValueError("RelayConfig: max_records >= 1, retry_relay_s > 0, close_wait_s >= 0")
 
 
 def local_world_size(environ: Mapping[str, str]) -> int | None:
@@ -149,6 +161,7 @@ class NodeRelay:
         self._upstream = Connection(upstream.url, upstream.timeout_s)
         self._headers = {"authorization": f"Bearer {self._token}", "content-type": "application/json"}
         self._waiting: list[Waiting] = []
+        self._closed: set[int | None] = set()  # ranks that said their sender closed
         self._changed = threading.Condition()
         self._stopping = False
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -168,9 +181,16 @@ class NodeRelay:
             thread.start()
         return self.url
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop taking batches (a rank's next one goes directly), answer those already here."""
+    @property
+    def closed_path(self) -> str:
+        return f"{self._path}/closed"
+
+    def stop(self, timeout_s: float = 10.0, wait_for_ranks_s: float = 0.0) -> None:
+        """Stop taking batches (a rank's next one goes directly), answer those already here.
+        First, for at most ``wait_for_ranks_s``, wait until every rank of the node said its
+        sender closed."""
         with self._changed:
+            self._changed.wait_for(lambda: len(self._closed) >= self._expected, wait_for_ranks_s)
             self._stopping = True
             self._changed.notify_all()
         self._server.shutdown()
@@ -299,27 +319,37 @@ class NodeRelay:
         if not length.isdigit():
             return respond(request, 411, error_body("length_required", "a batch needs content-length"))
         raw = request.rfile.read(int(length))
-        if parts.path != self._path:
+        if parts.path not in (self._path, self.closed_path):
             return respond(request, 404, error_body("not_found", f"the relay takes {self._path}"))
         sent = request.headers.get("authorization", "")
         if not hmac.compare_digest(sent.encode(), self._headers["authorization"].encode()):
             return respond(request, 401, error_body("unauthorized", "not the run's token"))
+        query = parse_qs(parts.query)
+        rank_text = (query.get("rank") or [""])[0]
+        rank = int(rank_text) if rank_text.isdigit() else None
+        if parts.path == self.closed_path:
+            return self._rank_closed(request, rank)
         try:
             records = json.loads(raw)["records"]
             if not isinstance(records, list):
                 raise TypeError("records is not a list")
         except (ValueError, KeyError, TypeError) as exc:
             return respond(request, 400, error_body("invalid_json", str(exc)))
-        query = parse_qs(parts.query)
         incarnation = query["incarnation"][0] if query.get("incarnation") else None
-        rank_text = (query.get("rank") or [""])[0]
-        rank = int(rank_text) if rank_text.isdigit() else None
         try:
             status, body, retry_after = self.relay(records, incarnation, rank)
         except RelayStopped:  # no answer at all: the rank sends directly from now on
             request.close_connection = True
             return None
         return respond(request, status, body, retry_after)
+
+    def _rank_closed(self, request: BaseHTTPRequestHandler, rank: int | None) -> None:
+        with self._changed:
+            # A rank that never learnt its number still counts once (a second such close
+            # cannot be told from a repeat, so the wait then ends at its bound).
+            self._closed.add(rank)
+            self._changed.notify_all()
+        return respond(request, 200, b"{}")
 
 
 class RelayStopped(Exception):
@@ -419,6 +449,25 @@ class RelayTransport:
         return self._direct.directives(incarnation, rank)
 
     def close(self) -> None:
+        """After the sender's last batch: tell the relay this rank is done, so local rank 0
+        keeps it up for the node's ranks still closing (``NodeRelay.stop``)."""
         if self._relay is not None:
             self._relay.close()
+        url = self._lookup.url()
+        if url is not None:
+            self._say_closed(url)
         self._direct.close()
+
+    def _say_closed(self, url: str) -> None:
+        rank = self._asked[1] if self._asked is not None else None
+        path = f"/v1/runs/{quote(self._upstream.run or '', safe='')}/records/closed"
+        if rank is not None:
+            path += f"?rank={rank}"
+        connection = Connection(url, CLOSED_TIMEOUT_S)
+        headers = {"authorization": f"Bearer {self._upstream.token or ''}"}
+        try:
+            connection.post(path, b"", headers)
+        except Exception as exc:  # local rank 0 closed first: nothing waits for this rank
+            log.debug("runhealth: the node's relay did not hear this rank close (%s)", exc)
+        finally:
+            connection.close()

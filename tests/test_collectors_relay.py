@@ -6,6 +6,7 @@ is bypassed. The four-rank runs through it are in ``test_collectors_multirank.py
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,35 @@ def test_a_rank_whose_relay_stopped_sends_directly(serve: ServeProcess, node: No
     assert delivery.outcome is Outcome.DELIVERED and delivery.directives == []
     assert node.counters.snapshot()["relay_bypassed"] == 1
     assert [(row["rank"], row["attempt"]) for row in step_rows(serve.db, run)] == [(3, 1)]
+
+
+def test_local_rank_0_closing_first_keeps_the_relay_up_until_the_nodes_ranks_closed(
+    serve: ServeProcess, node: Node
+) -> None:
+    run = run_of(node)
+    stopper = threading.Thread(target=node.relay.stop, kwargs={"wait_for_ranks_s": 60.0})
+    for rank in range(3):
+        node.transports[rank].close()  # local rank 0 among them: its hook stops the relay next
+    stopper.start()
+    time.sleep(0.3)
+    assert stopper.is_alive()  # rank 3 has not closed yet
+    delivery = node.transports[3].post([step(1, 3)])  # its last batch, after local rank 0 closed
+    assert delivery.outcome is Outcome.DELIVERED
+    assert node.counters.snapshot()["relay_bypassed"] == 0
+    assert node.counters.snapshot()["relay_batches"] == 1
+    node.transports[3].close()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert [(row["rank"], row["attempt"]) for row in step_rows(serve.db, run)] == [(3, 1)]
+
+
+def test_the_relay_waits_for_a_rank_that_never_closes_only_as_long_as_its_bound(node: Node) -> None:
+    node.transports[0].close()
+    started = time.monotonic()
+    node.relay.stop(wait_for_ranks_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 5.0
+    assert node.transports[1].post([step(1, 1)]).outcome is Outcome.DELIVERED  # directly
+    assert node.counters.snapshot()["relay_bypassed"] == 1
 
 
 def test_ranks_of_a_node_flush_and_beat_on_one_grid() -> None:
