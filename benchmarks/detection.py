@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from realcurves import Case, Event, added_cases, bigscience_cases, clean_controls
+from realcurves import Case, Event, added_cases, bigscience_cases, clean_controls, heldout_cases
 from scenarios import Outcome, Scenario, run_corpus, run_scenario
 
 from policies.backtest import backtest_series
@@ -125,6 +125,15 @@ def score_stream(case: Case, config: SeriesConfig) -> list[dict[str, Any]]:
             )
         rows.append(row)
     return rows
+
+
+def score_streams(cases: list[Case], config: SeriesConfig) -> list[dict[str, Any]]:
+    """Rows of a set of streams: a labeled stream event by event, a clean one as one case."""
+    return [
+        row
+        for case in cases
+        for row in (score_stream(case, config) if case.events else [score_case(case, config)])
+    ]
 
 
 def by_series(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -328,17 +337,15 @@ def main() -> None:
     if args.only in ("real", "all"):
         rows = [score_case(case, config) for case in clean_controls() + bigscience_cases()]
         report["real_curves"] = {"summary": summarize(rows), **({"cases": rows} if args.cases else {})}
-        # The added set (other codebases), reported apart so the development numbers stay as they were.
-        added = [
-            row
-            for case in added_cases()
-            for row in (score_stream(case, config) if case.events else [score_case(case, config)])
-        ]
-        report["real_curves"]["added"] = {
-            "summary": summarize(added),
-            "series": by_series(added),
-            **({"cases": added} if args.cases else {}),
-        }
+        # The added set (other codebases), reported apart so the development numbers stay as they
+        # were; the held-out set (codebases in neither, no threshold set on it) apart again.
+        for name, cases in (("added", added_cases()), ("heldout", heldout_cases())):
+            scored = score_streams(cases, config)
+            report["real_curves"][name] = {
+                "summary": summarize(scored),
+                "series": by_series(scored),
+                **({"cases": scored} if args.cases else {}),
+            }
     if args.only in ("scenarios", "all"):
         rows = [score_scenario(outcome) for outcome in run_corpus(args.scenario)]
         for split in ("dev", "holdout"):

@@ -7,7 +7,9 @@
 
 Those three files are the ``development`` set. The ``added`` set (``added_cases``) holds series
 from other codebases: clean streams scored like the controls, and streams with several labeled
-events (``Case.events``), scored event by event on the one stream.
+events (``Case.events``), scored event by event on the one stream. The ``heldout`` set
+(``heldout_cases``, files and labels under ``heldout/``) is built the same way from codebases in
+neither set, and no threshold was set while looking at it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ BIGSCIENCE = "bigscience_chronicle_excerpts.csv"
 # The added set: clean streams (every incident false) and streams with labeled events.
 ADDED_CLEAN = ("modded_nanogpt_scaleup1b_clean.csv",)
 ADDED_LABELED = ("birdjepa_resume_loss_jumps.csv", "torchtitan_agpt20b_resume_blip.csv")
+HELDOUT = CURVES / "heldout"
+HELDOUT_CLEAN = (
+    "llmc_gpt2_124m_clean.csv",
+    "modded_nanogpt_records_sample.csv",
+    "hf_whisper_large_v2_ja_clean.csv",
+)
+HELDOUT_LABELED = ("nanogpt_termux_nan.csv",)
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,8 @@ def bigscience_cases() -> list[Case]:
     return cases
 
 
-def _label_rows(file: str) -> pl.DataFrame:
-    labels = pl.read_csv(CURVES / "labels.csv")
+def _label_rows(file: str, folder: Path = CURVES) -> pl.DataFrame:
+    labels = pl.read_csv(folder / "labels.csv")
     return labels.filter(pl.col("file").str.starts_with(file)).with_columns(
         pl.col("file").str.extract(r"run=([^\]]+)").alias("run")
     )
@@ -117,14 +126,26 @@ def _events(points: tuple[StepPoint, ...], labels: pl.DataFrame) -> tuple[Event,
 
 
 def added_cases() -> list[Case]:
+    return _stream_cases(CURVES, ADDED_CLEAN, ADDED_LABELED, "added", "dev")
+
+
+def heldout_cases() -> list[Case]:
+    return _stream_cases(HELDOUT, HELDOUT_CLEAN, HELDOUT_LABELED, "heldout", "holdout")
+
+
+def _stream_cases(
+    folder: Path, clean: tuple[str, ...], labeled: tuple[str, ...], set_name: str, split: str
+) -> list[Case]:
+    """Clean streams (every incident false) and labeled streams (``labels.csv`` in ``folder``),
+    one case per ``run`` of a file."""
     cases = []
-    for name in ADDED_CLEAN:
-        for series in load_series(CURVES / name, {}, None).series:
+    for name in clean:
+        for series in load_series(folder / name, {}, None).series:
             label = f"{name} [run={series.run}]" if series.run else name
-            cases.append(Case(label, "clean", False, series.points, None, "dev", set="added"))
-    for name in ADDED_LABELED:
-        labels = _label_rows(name)
-        for series in load_series(CURVES / name, {}, None).series:
+            cases.append(Case(label, "clean", False, series.points, None, split, set=set_name))
+    for name in labeled:
+        labels = _label_rows(name, folder)
+        for series in load_series(folder / name, {}, None).series:
             mine = labels.filter(pl.col("run") == series.run) if series.run else labels
             events = _events(series.points, mine)
             label = f"{name} [run={series.run}]" if series.run else name
@@ -135,9 +156,9 @@ def added_cases() -> list[Case]:
                     False,
                     series.points,
                     None,
-                    "dev",
+                    split,
                     note=f"{len(events)} labeled events",
-                    set="added",
+                    set=set_name,
                     events=events,
                 )
             )

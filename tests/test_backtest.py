@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import re
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -382,7 +383,16 @@ def whole_file_series(path: Path) -> tuple[list[tuple[str | None, tuple[StepPoin
     ], notes
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in CURVES.glob("*.csv") if p.name != "labels.csv"))
+REAL_CURVES = sorted(str(p.relative_to(CURVES)) for p in CURVES.glob("**/*.csv") if p.name != "labels.csv")
+"""Every real curve, the held-out ones under ``heldout/`` included."""
+
+
+def test_the_data_readme_describes_every_real_curve() -> None:
+    readme = (CURVES / "README.md").read_text()
+    assert sorted(re.findall(r"^## (\S+\.csv)$", readme, re.MULTILINE)) == REAL_CURVES
+
+
+@pytest.mark.parametrize("name", REAL_CURVES)
 def test_streamed_real_curves_equal_the_whole_file_reading(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
