@@ -7,10 +7,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from monitor.config import ServiceConfig
 from monitor.ingest.admission import IngestAdmission
@@ -24,6 +25,7 @@ from monitor.judge.summaries import fold_new_steps
 from monitor.observe.metrics.sources import MetricSources
 from monitor.observe.stages import StageSpans
 from monitor.observe.tracing import EVALUATE, INGEST, Tracing
+from monitor.recovery import directives
 from monitor.recovery.decisions import Decisions
 from monitor.store import queries
 from monitor.store.durability import StoreFile, StoreUnavailable
@@ -32,6 +34,23 @@ from monitor.store.locks import lock_run_writes
 from monitor.store.tokens import digest_matches
 
 log = logging.getLogger("runhealth.service")
+
+Pending = dict[int, list[dict[str, Any]]]
+"""Per rank asked about, the directives it has still to act on (``directives.pending_for_ranks``)."""
+
+
+@dataclass(frozen=True)
+class Asked:
+    """Whose pending directives a batch's answer carries: these ranks of this incarnation."""
+
+    incarnation: str
+    ranks: tuple[int, ...]
+
+
+def _pending(connection: Connection, run_id: int, asked: Asked | None) -> Pending:
+    if asked is None or not asked.ranks:
+        return {}
+    return directives.pending_for_ranks(connection, run_id, asked.incarnation, asked.ranks)
 
 
 class Service:
@@ -91,16 +110,26 @@ class Service:
         return int(row.id) if digest_matches(token, row.token_hash) else None
 
     def ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
+        return self.ingest_asking(run, run_id, records, None)[0]
+
+    def ingest_asking(
+        self, run: str, run_id: int, records: Sequence[Any], asked: Asked | None
+    ) -> tuple[IngestResult, Pending]:
+        """``ingest``, and what the ranks ``asked`` about have still to act on after it (their
+        acknowledgements in this batch counted; empty when nothing was asked)."""
         with self.tracing.span(INGEST, {"runhealth.run": run, "runhealth.records": len(records)}) as span:
-            result = self._ingest(run, run_id, records)
+            result, pending = self._ingest(run, run_id, records, asked)
             span.set_attributes(
                 {"runhealth.accepted": result.accepted, "runhealth.duplicates": result.duplicates}
             )
             self.stages.acknowledged(result.new_rows.get("directive_ack", []))
-        return result
+        return result, pending
 
-    def _ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
+    def _ingest(
+        self, run: str, run_id: int, records: Sequence[Any], asked: Asked | None
+    ) -> tuple[IngestResult, Pending]:
         self._check_store()
+        pending: Pending = {}
         try:
             with self._write_lock, self.engine.begin() as connection:
                 lock_run_writes(connection, run_id)  # another replica may be writing this run
@@ -114,6 +143,11 @@ class Service:
                     world_sizes=self._world_sizes,
                 )
                 late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
+                if self.leases is not None:
+                    # A replica judges apart from its posts: nothing between this write and
+                    # the answer adds a directive, so the answer is read in the batch's own
+                    # transaction (a connection and two round trips fewer than a read after).
+                    pending = _pending(connection, run_id, asked)
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
             raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
         self._check_store()  # deleted while this batch was written: it is not acknowledged
@@ -122,7 +156,16 @@ class Service:
         self.count(run, "late", len(late))
         if self.leases is not None:  # the run's judge reads the batch from the store
             self.arrived.set()
-            return result
+            return result, pending
+        self._judge_batch(run, run_id, records, result, late)
+        if asked is not None:  # after judging: the directives it issued are in the answer
+            with self.engine.connect() as connection:
+                pending = _pending(connection, run_id, asked)
+        return result, pending
+
+    def _judge_batch(
+        self, run: str, run_id: int, records: Sequence[Any], result: IngestResult, late: list[dict[str, Any]]
+    ) -> None:
         if any(record.kind == "run_start" for record in records):
             self.canaries.ensure_schedule(run_id)
         try:
@@ -133,7 +176,6 @@ class Service:
         except Exception:  # the records are stored; judging is retried on the next batch
             log.exception("judging run %s failed", run)
             self.count(run, "judge_errors")
-        return result
 
     def judge(
         self, run_id: int, new_rows: dict[str, list[dict[str, Any]]], late: list[dict[str, Any]]
@@ -236,4 +278,4 @@ class Service:
             self.store_file.check()
 
 
-__all__ = ["Service"]
+__all__ = ["Asked", "Pending", "Service"]

@@ -1,12 +1,17 @@
 """Directives: created by the service, polled by each rank, answered once."""
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
 
 from monitor.recovery.directives import create_directive
+from monitor.service import Service
 from monitor.store import models
+from monitor.store.leases import RunLeases
 from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, batch
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -84,6 +89,58 @@ def test_a_batch_asked_with_its_rank_is_answered_with_the_directives_left_after_
     assert answered == pending(client, run, 3)
     plain = client.post(run.records_path, json=batch(), headers=run.headers)
     assert plain.status_code == 200 and "directives" not in plain.json()
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_replicas_answer_is_read_in_the_batchs_own_transaction(
+    client: TestClient, run: RunHandle, service: Service, store: Engine
+) -> None:
+    """A replica (``runhealth serve`` on PostgreSQL) reads the answer's directives in the
+    batch's write transaction: the acks of the batch count, for one rank and for a relay's."""
+    leases = RunLeases(store.url, "replica-test")
+    service.replicate(leases)
+    try:
+        first, second = (
+            client.post(
+                f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=ADMIN
+            ).json()["directive"]
+            for _ in range(2)
+        )
+        ack = {
+            "kind": "directive_ack",
+            "directive_id": first,
+            "incarnation": INCARNATION,
+            "rank": 3,
+            "time": 1.0,
+            "status": "done",
+        }
+        transactions = count_transactions(store)
+        asked = client.post(
+            run.records_path,
+            params=[("incarnation", INCARNATION), ("ranks", 3), ("ranks", 4)],
+            json=batch(ack),
+            headers=run.headers,
+        )
+        assert asked.status_code == 200, asked.text
+        assert transactions() == 2  # the token's read, then the batch with its answer
+        by_rank = asked.json()["directives_by_rank"]
+        answered = {rank: [d["id"] for d in by_rank[str(rank)]] for rank in (3, 4)}
+        assert second in answered[3] and first not in answered[3]
+        assert {first, second} <= set(answered[4])
+        assert answered == {rank: pending(client, run, rank) for rank in (3, 4)}
+    finally:
+        leases.close()
+
+
+def count_transactions(store: Engine) -> Callable[[], int]:
+    """How many transactions ``store`` begins from now on."""
+    begun = [0]
+
+    def count(*_args: Any) -> None:
+        begun[0] += 1
+
+    sa.event.listen(store, "begin", count)
+    return lambda: begun[0]
 
 
 def started(incarnation: str, time: float) -> dict[str, Any]:

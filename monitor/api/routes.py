@@ -29,7 +29,7 @@ from monitor.ingest.batches import ConflictError, InvalidRecord
 from monitor.ingest.schemas import BatchIn, DecisionIn, DirectiveCreateIn, RejectionIn, RunCreateIn
 from monitor.observe.metrics import metrics_registry
 from monitor.recovery import decisions, directives
-from monitor.service import Service
+from monitor.service import Asked, Service
 from monitor.store import operators, queries
 from monitor.store.durability import StoreUnavailable
 from monitor.store.floats import dumps
@@ -399,12 +399,12 @@ def create_app(service: Service, registry: CollectorRegistry | None = None) -> F
         """Validate, store and answer a batch in one trip to a worker thread: each trip there
         and back costs the event loop about as much as validating a one-rank batch."""
         batch = validate_batch(raw, service.config.ingest.max_batch_records)
-        answer = service.ingest(run, run_id, batch.records).as_json()
         asked = rank.asked()
-        if incarnation is None or not asked:
+        question = Asked(incarnation, asked) if incarnation is not None and asked else None
+        result, pending = service.ingest_asking(run, run_id, batch.records, question)
+        answer = result.as_json()
+        if question is None:
             return answer
-        with service.engine.connect() as connection:
-            pending = directives.pending_for_ranks(connection, run_id, incarnation, asked)
         if rank.rank is not None:
             answer["directives"] = pending[rank.rank]
         if rank.ranks:
