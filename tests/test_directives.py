@@ -57,25 +57,34 @@ def test_a_directive_reaches_its_ranks_until_each_answers(client: TestClient, ru
     assert new in pending(client, run, 2)
 
 
+def run_wide_directives(client: TestClient, run: RunHandle, count: int) -> list[int]:
+    return [
+        client.post(f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=ADMIN).json()[
+            "directive"
+        ]
+        for _ in range(count)
+    ]
+
+
+def done(directive: int, rank: int) -> dict[str, Any]:
+    """A rank's acknowledgement of ``directive``, done."""
+    return {
+        "kind": "directive_ack",
+        "directive_id": directive,
+        "incarnation": INCARNATION,
+        "rank": rank,
+        "time": 1.0,
+        "status": "done",
+    }
+
+
 def test_a_batch_asked_with_its_rank_is_answered_with_the_directives_left_after_it(
     client: TestClient, run: RunHandle
 ) -> None:
     """The hook's sender asks with each batch, sparing a separate poll; an ack in the batch
     already counts, and a batch asked without a rank is answered as before."""
-    first, second = (
-        client.post(f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=ADMIN).json()[
-            "directive"
-        ]
-        for _ in range(2)
-    )
-    ack = {
-        "kind": "directive_ack",
-        "directive_id": first,
-        "incarnation": INCARNATION,
-        "rank": 3,
-        "time": 1.0,
-        "status": "done",
-    }
+    first, second = run_wide_directives(client, run, 2)
+    ack = done(first, rank=3)
     asked = client.post(
         run.records_path,
         params={"incarnation": INCARNATION, "rank": 3},
@@ -100,20 +109,8 @@ def test_a_replicas_answer_is_read_in_the_batchs_own_transaction(
     leases = RunLeases(store.url, "replica-test")
     service.replicate(leases)
     try:
-        first, second = (
-            client.post(
-                f"/v1/runs/{run.name}/directives", json={"kind": "dump_stacks"}, headers=ADMIN
-            ).json()["directive"]
-            for _ in range(2)
-        )
-        ack = {
-            "kind": "directive_ack",
-            "directive_id": first,
-            "incarnation": INCARNATION,
-            "rank": 3,
-            "time": 1.0,
-            "status": "done",
-        }
+        first, second = run_wide_directives(client, run, 2)
+        ack = done(first, rank=3)
         transactions = count_transactions(store)
         asked = client.post(
             run.records_path,
