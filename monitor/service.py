@@ -35,6 +35,12 @@ from monitor.store.tokens import digest_matches
 
 log = logging.getLogger("runhealth.service")
 
+TOKEN_TRUST_S = 1.0
+"""How long a run token found in the store is trusted without reading it again. Every post
+read it (a transaction, a pooled connection and a worker thread's trip of its own); a run's
+ranks post many times a second together, so one read a second serves them all. A token renewed
+through another replica is refused here at most this long after (through this one, at once)."""
+
 Pending = dict[int, list[dict[str, Any]]]
 """Per rank asked about, the directives it has still to act on (``directives.pending_for_ranks``)."""
 
@@ -80,6 +86,11 @@ class Service:
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
         self._world_sizes = WorldSizes()  # read once per incarnation, not once per batch
+        # Per run, its token's digest, id and when it was read (``TOKEN_TRUST_S``); the epoch
+        # counts renewals, so a read that began before one does not store the old token after it.
+        self._tokens: dict[str, tuple[str, int, float]] = {}
+        self._token_lock = threading.Lock()
+        self._token_epoch = 0
         self.counters: Counter[tuple[str, str]] = Counter()
         self._counter_lock = threading.Lock()
         # Batches in flight, and those refused past the bound (the API answers them 429).
@@ -105,9 +116,36 @@ class Service:
 
     def run_id_for_token(self, run: str, token: str) -> int | None:
         """The run's id when ``token`` is its bearer token; ``None`` when it is not."""
+        known = self.known_run_id(run, token)
+        if known is not None:
+            return known
+        epoch = self._token_epoch
         with self.engine.connect() as connection:
             row = queries.run_row(connection, run)
-        return int(row.id) if digest_matches(token, row.token_hash) else None
+        if not digest_matches(token, row.token_hash):
+            return None
+        with self._token_lock:
+            if epoch == self._token_epoch:  # else a token was renewed since this read
+                self._tokens[run] = (row.token_hash, int(row.id), time.monotonic())
+        return int(row.id)
+
+    def known_run_id(self, run: str, token: str) -> int | None:
+        """The run's id when ``token`` was found to be its token within ``TOKEN_TRUST_S``,
+        without the store; ``None`` otherwise (``run_id_for_token`` asks the store)."""
+        known = self._tokens.get(run)
+        if known is None or time.monotonic() - known[2] > TOKEN_TRUST_S:
+            return None
+        return known[1] if digest_matches(token, known[0]) else None
+
+    def renew_token(self, run: str) -> str:
+        """A new bearer token for ``run``: from now on this replica refuses the old one, and
+        every other replica within ``TOKEN_TRUST_S``."""
+        with self.engine.begin() as connection:
+            token = queries.renew_run_token(connection, run)
+        with self._token_lock:
+            self._token_epoch += 1
+            self._tokens.pop(run, None)
+        return token
 
     def ingest(self, run: str, run_id: int, records: Sequence[Any]) -> IngestResult:
         return self.ingest_asking(run, run_id, records, None)[0]

@@ -15,13 +15,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from monitor import service as service_module
 from monitor.api.routes import create_app
 from monitor.config import IngestConfig, ServiceConfig
 from monitor.ingest.batches import KEYED_TABLES
 from monitor.ingest.schemas import RECORD_KINDS
 from monitor.service import Service
 from monitor.settings import service_config
-from monitor.store import models
+from monitor.store import models, queries
 from tests.support import (
     ADMIN_TOKEN,
     INCARNATION,
@@ -365,6 +366,29 @@ def test_a_renewed_run_token_replaces_the_old_one(
     assert_rejected(post(client, run, batch(step_record())), 403, "forbidden", store, before)
     new = RunHandle(name=run.name, id=run.id, token=renewed.json()["token"], directive_id=run.directive_id)
     assert post(client, new, batch(step_record())).status_code == 200
+
+
+def test_a_run_token_known_to_this_replica_is_refused_once_renewed(
+    client: TestClient,
+    store: Engine,
+    run: RunHandle,
+    admin_headers: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token read from the store is trusted a while without reading it again: renewed
+    through this service it is refused at once; renewed through another replica (the store
+    alone), once ``TOKEN_TRUST_S`` has passed."""
+    monkeypatch.setattr(service_module, "TOKEN_TRUST_S", 3600.0)
+    assert post(client, run, batch(step_record())).status_code == 200  # the token is now known
+    renewed = client.post(f"/v1/runs/{run.name}/token", headers=admin_headers).json()["token"]
+    assert post(client, run, batch(step_record())).status_code == 403
+    new = RunHandle(name=run.name, id=run.id, token=renewed, directive_id=run.directive_id)
+    assert post(client, new, batch(step_record())).status_code == 200
+    with store.begin() as connection:  # another replica renews it
+        queries.renew_run_token(connection, run.name)
+    assert post(client, new, batch(step_record())).status_code == 200  # trusted a while yet
+    monkeypatch.setattr(service_module, "TOKEN_TRUST_S", 0.0)
+    assert post(client, new, batch(step_record())).status_code == 403
 
 
 def test_an_unknown_run_answers_a_run_token_as_an_existing_one_does(
