@@ -363,3 +363,29 @@ def test_settling_ends_at_settle_steps_and_a_late_attach_is_judged_from_its_firs
     assert len(observe_spike(state, StepPoint(step=10, loss=9.0), "loss", config)[1]) == 1
     late = observe_spike(SpikeState.empty(config), StepPoint(step=6000, loss=2.0), "loss", config)[0]
     assert len(observe_spike(late, StepPoint(step=6001, loss=9.0), "loss", config)[1]) == 1
+
+
+def _findings_over(values: list[float], config: SpikeConfig) -> list[tuple[int, str]]:
+    state, found = SpikeState.empty(config), []
+    for step, value in enumerate(values):
+        state, findings = observe_spike(state, StepPoint(step=step, loss=value), "loss", config)
+        found += [(step, finding.kind) for finding in findings]
+    return found
+
+
+def test_a_loss_rounded_to_its_last_printed_place_is_not_a_spike_but_three_places_up_is() -> None:
+    # The Hugging Face Trainer logs the loss to 4 decimals: a fine-tune near 1e-4 reads 0.0001
+    # and 0.0002, a 2x step that is one unit of what was printed.
+    rng = random.Random(3)
+    rounded = [0.3048, 0.2896, 0.2433] + [rng.choice([0.0001, 0.0001, 0.0001, 0.0002]) for _ in range(200)]
+    config = SpikeConfig(settle_steps=0)
+    assert _findings_over(rounded, config) == []
+    assert _findings_over(rounded, SpikeConfig(settle_steps=0, resolution_margin=0.0)) != []  # before
+    assert _findings_over([*rounded, 0.0004], config)[-1][0] == len(rounded)  # 4x: 3 units up
+
+
+def test_the_same_doubling_at_full_precision_is_a_spike() -> None:
+    rng = random.Random(3)
+    precise = [0.0001 + rng.uniform(-1e-6, 1e-6) for _ in range(200)]
+    found = _findings_over([*precise, 0.0002], SpikeConfig(settle_steps=0))
+    assert found and found[0][0] == 200
