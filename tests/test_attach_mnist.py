@@ -57,12 +57,11 @@ def losses(db: Path) -> list[tuple[int, float]]:
     return [(s["step"], round(s["loss_sum"] / s["tokens"], 3)) for s in run_rows(db, "step_records", RUN)]
 
 
-@pytest.mark.parametrize(("settle_steps", "spike_at"), [(None, None), ("0", 2)])
-def test_a_clean_run_from_scratch_opens_no_incident_unless_its_first_updates_are_judged(
-    tmp_path: Path, settle_steps: str | None, spike_at: int | None
-) -> None:
-    settle = {} if settle_steps is None else {"RUNHEALTH_POLICIES__SPIKE__SETTLE_STEPS": settle_steps}
-    environ = child_environ(RUNHEALTH_RUN=RUN, RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2", **settle)
+# Judged from its first update (RUNHEALTH_POLICIES__SPIKE__SETTLE_STEPS=0) this run opened a
+# critical spike at update 2 (measured, 4 runs); the rule's own test trains the same network
+# (tests/test_policies_spike.py), so the suite does not pay for that run here.
+def test_a_clean_run_from_scratch_opens_no_incident(tmp_path: Path) -> None:
+    environ = child_environ(RUNHEALTH_RUN=RUN, RUNHEALTH_SENDER__FLUSH_INTERVAL_S="0.2")
     with job_running(COMMAND, tmp_path, environ) as (job, log_path):
         finish_job(job, log_path)
     db = tmp_path / "runhealth.db"
@@ -72,12 +71,7 @@ def test_a_clean_run_from_scratch_opens_no_incident_unless_its_first_updates_are
     assert max(loss for _, loss in first[1:3]) > 1.3 * first[0][1]  # the overshoot is there to judge
     incidents = run_rows(db, "incidents", RUN)
     findings = [(f["step"], f["kind"], f["severity"]) for f in run_rows(db, "findings", RUN)]
-    if spike_at is None:
-        assert incidents == [] and findings == [], (incidents, findings)
-    else:
-        (spike,) = incidents
-        assert (spike["kind"], spike["first_step"]) == ("spike", spike_at), incidents
-        assert (spike_at, "loss_spike", "critical") in findings, findings
+    assert incidents == [] and findings == [], (incidents, findings)
 
 
 @pytest.mark.parametrize("save_optimizer", [False, True])
