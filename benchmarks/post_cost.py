@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -108,14 +109,34 @@ class Costs:
 
 
 class Asgi:
-    """The app called as ASGI: one request at a time, its status and body read back."""
+    """The app called as ASGI: one request at a time, its status and body read back.
+
+    The event loop runs in a thread of its own under one long-lived task, as a server's does
+    (uvicorn's ``serve``): anyio keeps its worker threads for as long as that root task runs.
+    Each request its own ``run_until_complete`` made each its own root task, and anyio stopped
+    the worker thread when it ended: a thread started and stopped per post that no server pays.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Future[None] = self.loop.create_future()
+        self._thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._serve(),), name="post-cost-loop", daemon=True
+        )
+        self._thread.start()
+
+    async def _serve(self) -> None:
+        await self._stop  # a task, not a bare future: anyio looks among tasks for its root
 
     def post(self, path: str, query: str, token: str, body: bytes) -> tuple[int, bytes]:
-        return self.loop.run_until_complete(self._request(path, query, token, body))
+        request = self._request(path, query, token, body)
+        return asyncio.run_coroutine_threadsafe(request, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set_result, None)
+        self._thread.join()
+        self.loop.close()
 
     async def _request(self, path: str, query: str, token: str, body: bytes) -> tuple[int, bytes]:
         scope = {
@@ -208,6 +229,7 @@ def measure(url: sa.URL, store: Store, per_post: int, steps: int, posts: int) ->
             query = urlencode([("incarnation", incarnation), *asked])
             timed(posted if counted else Costs(), store, tally, partial(app.post, path, query, token, body))
         timed(looked if counted else Costs(), store, tally, partial(service.judge_arrivals, run_id))
+    app.close()
     leases.close()
     service.engine.dispose()
     records = max(1, posted.count * per_post * steps)
