@@ -67,9 +67,9 @@ def test_the_judge_judges_what_another_replica_stored_and_a_late_record_once(
 
 @both_backends
 def test_a_look_reads_only_the_kinds_with_new_rows(store: Engine, run: RunHandle) -> None:
-    """Step records alone arrived: the look asks once which kinds have new rows, then reads the
-    step records, which of their windows were judged, and the incarnations; not the six other
-    kinds one statement each."""
+    """Step records alone arrived: the look asks once which kinds have new rows (and how many
+    incarnations started and finished), then reads the step records and which of their windows
+    were judged; not the six other kinds one statement each, nor the incarnations apart."""
     storing = replica(store, "storing")
     arrivals = Arrivals()
     with store.connect() as connection:
@@ -80,7 +80,45 @@ def test_a_look_reads_only_the_kinds_with_new_rows(store: Engine, run: RunHandle
     with store.connect() as connection:
         arrived = arrivals.read(connection, run.id)
     assert sorted(arrived.new_rows) == ["step"] and len(arrived.new_rows["step"]) == 6  # 2 ranks
-    assert len(sent) == 4, sent
+    assert len(sent) == 3, sent
     with store.connect() as connection:
         assert arrivals.read(connection, run.id).new_rows == {}  # nothing new: nothing read
-    assert len(sent) == 4 + 2, sent[4:]  # which kinds are new, and the incarnations
+    assert len(sent) == 3 + 1, sent[3:]  # which kinds are new, with the incarnations' counts
+
+
+def _start(incarnation: str) -> dict[str, object]:
+    return {"kind": "run_start", "incarnation": incarnation, "time": 990.0, "world_size": 2}
+
+
+def _finish(incarnation: str) -> dict[str, object]:
+    return {"kind": "run_finish", "incarnation": incarnation, "time": 2000.0, "status": "completed"}
+
+
+@both_backends
+def test_a_look_tells_each_start_and_finish_once(store: Engine, run: RunHandle) -> None:
+    """A start, then a finish, each told by the one look after it; a finish that arrived before
+    its start (a placeholder row) is a finish, not a start, until the start completes it."""
+    storing = replica(store, "storing")
+    arrivals = Arrivals()
+    with store.connect() as connection:
+        arrivals.begin(connection, run.id)
+
+    def look() -> tuple[bool, bool]:
+        with store.connect() as connection:
+            arrived = arrivals.read(connection, run.id)
+        return arrived.started, arrived.finished
+
+    try:
+        for records, told in [
+            ([_start("a")], (True, False)),
+            ([], (False, False)),
+            ([_finish("a")], (False, True)),
+            ([_finish("b")], (False, True)),  # its start not here yet
+            ([_start("b")], (True, False)),
+            ([_start("b"), _finish("b")], (False, False)),  # both again: duplicates
+        ]:
+            if records:
+                post(storing, run, records)
+            assert look() == told, records
+    finally:
+        storing.engine.dispose()

@@ -54,8 +54,10 @@ class Arrived:
 @dataclass
 class _Marks:
     newest: dict[str, int]
-    started: set[int]
-    finished: set[int]
+    started: int
+    """How many of the run's incarnations the store held a start of, at the last read."""
+    finished: int
+    """How many it held a finish of."""
 
 
 class Arrivals:
@@ -78,8 +80,8 @@ class Arrivals:
             )
             for kind, table in TABLES.items()
         }
-        started, finished = _incarnations(connection, run_id)
-        self._marks[run_id] = _Marks(newest, started, finished)
+        started, finished = connection.execute(_INCARNATIONS, {"run_id": run_id}).one()
+        self._marks[run_id] = _Marks(newest, int(started), int(finished))
 
     def forget(self, run_id: int) -> None:
         self._marks.pop(run_id, None)
@@ -89,7 +91,9 @@ class Arrivals:
         them are late."""
         marks = self._marks[run_id]
         arrived = Arrived()
-        newer = connection.execute(_ANY_NEWER, {"run_id": run_id, **_mark_params(marks)}).one()
+        *newer, started, finished = connection.execute(
+            _ANY_NEWER, {"run_id": run_id, **_mark_params(marks)}
+        ).one()
         for kind, any_newer in zip(TABLES, newer, strict=True):
             if not any_newer:
                 continue
@@ -100,10 +104,9 @@ class Arrivals:
                 marks.newest[kind] = rows[-1]["id"]
                 arrived.new_rows[kind] = rows
         arrived.late = _late(connection, run_id, arrived.new_rows.get("step", []))
-        started, finished = _incarnations(connection, run_id)
-        arrived.started = bool(started - marks.started)
-        arrived.finished = bool(finished - marks.finished)
-        marks.started, marks.finished = started, finished
+        arrived.started = started > marks.started
+        arrived.finished = finished > marks.finished
+        marks.started, marks.finished = int(started), int(finished)
         return arrived
 
 
@@ -120,12 +123,31 @@ def _newer_than_mark(kind: str, table: sa.Table) -> sa.Exists:
     return sa.exists().where(table.c.run_id == sa.bindparam("run_id"), table.c.id > sa.bindparam(kind))
 
 
-# Whether each kind has rows past its mark, in one statement (``TABLES``' order): of the seven
-# kinds a look reads, a training run's batches bring one or two, and a read of a kind with
-# nothing new cost a round trip and SQLAlchemy's making of its statement all the same. A look
-# after 8 one-rank batches on PostgreSQL went from 9 statements to 4, and from 10-12 ms of the
-# service's CPU to 4 (a loaded machine, load 9-12, both trees back to back).
-_ANY_NEWER = sa.select(*(_newer_than_mark(kind, table) for kind, table in TABLES.items()))
+def _incarnation_counts() -> tuple[sa.ScalarSelect[int], sa.ScalarSelect[int]]:
+    """How many of the run's incarnations the store holds a start of (a placeholder a finish
+    made first has no content hash yet), and a finish of. Both only grow (a start completes a
+    placeholder, a finish fills ``finished_at``; no row is deleted but with its run), so a
+    count past the last read's is a start or a finish arrived since, exactly as the sets of ids
+    a look compared were."""
+    mine = INCARNATION.c.run_id == sa.bindparam("run_id")
+    count = sa.select(sa.func.count()).select_from(INCARNATION)
+    return (
+        count.where(mine, INCARNATION.c.content_hash != "").scalar_subquery(),
+        count.where(mine, INCARNATION.c.finished_at.is_not(None)).scalar_subquery(),
+    )
+
+
+_INCARNATIONS = sa.select(*_incarnation_counts())
+
+# Whether each kind has rows past its mark, in one statement (``TABLES``' order), then the
+# incarnation counts: of the seven kinds a look reads, a training run's batches bring one or
+# two, and a read of a kind with nothing new cost a round trip and SQLAlchemy's making of its
+# statement all the same. A look after 8 one-rank batches on PostgreSQL went from 9 statements
+# to 4, and from 10-12 ms of the service's CPU to 4 (a loaded machine, load 9-12, both trees
+# back to back); the counts, read apart on every look, one statement fewer again.
+_ANY_NEWER = sa.select(
+    *(_newer_than_mark(kind, table) for kind, table in TABLES.items()), *_incarnation_counts()
+)
 
 
 # Each kind's rows past its mark, built once (a look made them anew, a few dozen microseconds each).
@@ -157,15 +179,3 @@ def _late(connection: Connection, run_id: int, rows: list[dict[str, Any]]) -> li
             )
         )
     return [row for row in rows if (row["incarnation"], row["attempt"]) in judged]
-
-
-def _incarnations(connection: Connection, run_id: int) -> tuple[set[int], set[int]]:
-    """The run's incarnations whose start, and whose finish, the store holds."""
-    rows = connection.execute(
-        sa.select(INCARNATION.c.id, INCARNATION.c.content_hash, INCARNATION.c.finished_at).where(
-            INCARNATION.c.run_id == run_id
-        )
-    ).all()
-    started = {row.id for row in rows if row.content_hash}
-    finished = {row.id for row in rows if row.finished_at is not None}
-    return started, finished
