@@ -121,6 +121,10 @@ def test_four_ranks_with_no_url_use_the_embedded_service(tmp_path: Path) -> None
     assert all(result["counters"]["sent"] > 0 and result["counters"]["spooled"] == 0 for result in results)
 
 
+def done_acks(db: Path) -> list[dict[str, Any]]:
+    return [ack for ack in table_rows(db, "directive_acks") if ack["status"] == "done"]
+
+
 @pytest.mark.slow
 def test_a_scheduled_canary_runs_once_per_rank_and_is_acknowledged_once(tmp_path: Path) -> None:
     """The service schedules a canary as soon as a run trains; every rank runs it at the one
@@ -136,9 +140,11 @@ def test_a_scheduled_canary_runs_once_per_rank_and_is_acknowledged_once(tmp_path
             tmp_path, 0.02, windows=100, until=stop, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=token,
             RUNHEALTH_RUN="canary-4", RUNHEALTH_DIRECTIVES__POLL_INTERVAL_S="0.2",
         )  # fmt: skip
-        # Train until every rank acknowledged a canary (on a loaded machine the first one can come
-        # after any fixed number of windows), then 20 windows more: a second run of it would show.
-        acked = wait_until(lambda: len(table_rows(db, "directive_acks")) >= WORLD, 180)
+        # Train until the ranks ran a canary and said so, then 20 windows more: a second run of it
+        # would show. On a loaded machine the first one can come after any fixed number of
+        # windows, and one the ranks heard of after its step is answered "missed" by each (all
+        # four, seen in a full suite at load 8) and the schedule issues the next.
+        acked = wait_until(lambda: len(done_acks(db)) >= WORLD, 180)
         time.sleep(20 * 0.02 + 1.0)
         stop.touch()
         results = wait_for(ranks, tmp_path, timeout_s=240)
@@ -151,8 +157,10 @@ def test_a_scheduled_canary_runs_once_per_rank_and_is_acknowledged_once(tmp_path
     canaries = [(r["directive_id"], r["rank"]) for r in table_rows(db, "canary_results")]
     acks = [(a["directive_id"], a["rank"], a["status"]) for a in table_rows(db, "directive_acks")]
     assert sorted(canaries) == sorted(set(canaries)), f"a canary ran twice on a rank: {canaries}"
-    assert sorted(acks) == sorted({(d, r, "done") for d, r, _ in acks}), acks
+    assert len(acks) == len({(d, r) for d, r, _ in acks}), f"a rank answered twice: {acks}"
+    assert {status for _, _, status in acks} <= {"done", "missed"}, acks
     assert {d for d, _ in canaries} <= acted and len(canaries) >= WORLD
-    assert {(d, r) for d, r, _ in acks} == set(canaries)  # each rank ran what it acknowledged
+    # Each rank ran what it acknowledged as done, and nothing it answered "missed".
+    assert {(d, r) for d, r, status in acks if status == "done"} == set(canaries), (acks, canaries)
     assert not list((tmp_path / "spool").rglob("*.dead.jsonl")), "nothing may be dead-lettered"
     assert all(result["counters"]["dead_lettered"] == 0 for result in results)
