@@ -37,6 +37,10 @@ INCIDENT_KIND_OF_FINDING = {
 # Incidents of these kinds are one per device, port or rank: two devices failing at nearby
 # steps are two incidents, each with its own quarantine decision.
 SCOPED_KINDS = {"device": "device", "link": "device", "straggler": "rank", "canary": "device"}
+# A canary that names no device (NVML absent, a CPU run) is about the device its rank ran on:
+# scoped by node and rank, so a persistent fault's every round joins its one open incident
+# (the demo's node-2 opened a second one 75 steps after the first, past ``merge_gap``).
+FALLBACK_SCOPES = {"canary": ("node", "rank")}
 
 # A finding of the first kind resolves the open incident of the second kind in its scope.
 RESOLVES = {
@@ -86,11 +90,15 @@ def _joins(incident_kind_now: str, finding_incident_kind: str) -> bool:
 
 def scope_of(finding: Finding) -> str | None:
     """The device, port or rank an incident of this finding's kind is about, if any."""
-    attribute = SCOPED_KINDS.get(RESOLVES.get(finding.kind) or incident_kind(finding.kind))
+    kind = RESOLVES.get(finding.kind) or incident_kind(finding.kind)
+    attribute = SCOPED_KINDS.get(kind)
     if attribute is None:
         return None
     value = getattr(finding, attribute)
-    return None if value is None else str(value)
+    if value is not None:
+        return str(value)
+    named = [(name, getattr(finding, name)) for name in FALLBACK_SCOPES.get(kind, ())]
+    return " ".join(f"{name} {value}" for name, value in named if value is not None) or None
 
 
 def matching_incident(

@@ -43,3 +43,20 @@ def test_the_latest_matching_incident_wins() -> None:
 def test_negative_gap_is_rejected() -> None:
     with pytest.raises(ValueError):
         GroupingConfig(merge_gap=-1)
+
+
+def canary_miss(step: int, rank: int, device: str | None = None) -> Finding:
+    return Finding(step, "canary_mismatch", Severity.CRITICAL, "canary", 1.0, 0.0, "m",
+                   rank=rank, node=f"node-{rank}", device=device)  # fmt: skip
+
+
+def test_a_canary_without_a_device_id_joins_its_ranks_open_incident_however_late() -> None:
+    # The demo (a CPU run: no device ids) opened a second incident for node-2's persistent fault
+    # when its next canary round came 75 steps after the first.
+    first = open_incident(2, canary_miss(126, rank=2))
+    assert first.scope == "node node-2 rank 2"
+    assert matching_incident(canary_miss(201, rank=2), [first], GroupingConfig()) == first
+    assert matching_incident(canary_miss(201, rank=3), [first], GroupingConfig()) is None
+    on_device = open_incident(3, canary_miss(126, rank=2, device="GPU-a"))
+    assert on_device.scope == "GPU-a"
+    assert matching_incident(canary_miss(900, rank=2, device="GPU-b"), [on_device], GroupingConfig()) is None
