@@ -157,7 +157,7 @@ class NodeRelay:
         self._config = config
         self._expected = expected_ranks
         self._token = upstream.token or ""
-        self._path = f"/v1/runs/{quote(upstream.run, safe='')}/records"
+        self._path = records_path(upstream.run)
         self._upstream = Connection(upstream.url, upstream.timeout_s)
         self._headers = {"authorization": f"Bearer {self._token}", "content-type": "application/json"}
         self._waiting: list[Waiting] = []
@@ -352,6 +352,11 @@ class NodeRelay:
         return respond(request, 200, b"{}")
 
 
+def records_path(run: str) -> str:
+    """The service's records route for ``run``, which the relay also serves (``/closed`` below it)."""
+    return f"/v1/runs/{quote(run, safe='')}/records"
+
+
 class RelayStopped(Exception):
     """The relay is stopping: a batch that arrives now is not taken."""
 
@@ -460,7 +465,7 @@ class RelayTransport:
 
     def _say_closed(self, url: str) -> None:
         rank = self._asked[1] if self._asked is not None else None
-        path = f"/v1/runs/{quote(self._upstream.run or '', safe='')}/records/closed"
+        path = f"{records_path(self._upstream.run or '')}/closed"
         if rank is not None:
             path += f"?rank={rank}"
         connection = Connection(url, CLOSED_TIMEOUT_S)
