@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 TRAINER = REPO / "tests" / "trainers" / "ddp_multinode_hooked.py"
 WORLD = 4
 STEPS_PER_EPOCH = 16  # 2,048 examples, 32 a batch, 4 ranks
-EPOCHS = 4
+EPOCHS = 3  # the crash at 40 is in the third; the restart trains 33..48 from the snapshot of 32
 JOB = "ddp-tutorial"
 RUN = f"run-{JOB}"  # the hook's name for a job torchrun names with --rdzv-id
 
