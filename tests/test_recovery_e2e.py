@@ -39,10 +39,10 @@ pytestmark = pytest.mark.slow
 
 
 def launch(
-    root: Path, serve: ServeProcess, run: str, token: str, *extra: str
+    root: Path, serve: ServeProcess, run: str, token: str, *extra: str, step_sleep: float = 0.02
 ) -> list[subprocess.Popen[bytes]]:
     command = [
-        sys.executable, "-m", "monitor.demo.worker", "--task", "sequence", "--step-sleep", "0.02",
+        sys.executable, "-m", "monitor.demo.worker", "--task", "sequence", "--step-sleep", str(step_sleep),
         "--checkpoints", str(root / "ckpt"), "--out", str(root / "results"), *extra,
     ]  # fmt: skip
     # Each rank its own node: a quarantine names one rank's node, not all four.
@@ -59,22 +59,45 @@ def finish(
     return finish_ranks(ranks, root, timeout_s)
 
 
-class Scenario:
+class Service:
+    """The module's one ``runhealth serve`` and its store; each test trains its own run there
+    (a serve start is a process importing the service, seconds of a loaded 2-core machine)."""
+
     def __init__(self, root: Path) -> None:
-        self.root = root
         self.db = root / "store.db"
         self.serve = ServeProcess(root, self.db)
-        self.serve.start()
-        self.run = "recovery"
-        self.token = self.serve.create_run(self.run)
+        try:
+            self.serve.start(timeout_s=180.0)  # at load 30 a start took over 60 s (test_multinode)
+        except RuntimeError:
+            self.serve.stop()  # a start that timed out leaves its process
+            raise
         self.engine = create_store_engine(resolve_url(str(self.db), {}))
         with self.engine.begin() as connection:
             self.operator = add_operator(connection, "oncall-alice", actor="tests", now=time.time())
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.serve.stop()
+
+
+class Scenario:
+    """One test's run on the module's service: its ranks, files and rows in ``root``."""
+
+    def __init__(self, root: Path, service: Service, run: str) -> None:
+        self.root, self.run = root, run
+        self.db, self.serve, self.engine = service.db, service.serve, service.engine
+        self.operator = service.operator
+        self.token = self.serve.create_run(self.run)
         self.ranks: list[subprocess.Popen[bytes]] = []
 
-    def launch(self, *extra: str) -> list[subprocess.Popen[bytes]]:
-        self.ranks = launch(self.root, self.serve, self.run, self.token, *extra)
+    def launch(self, *extra: str, step_sleep: float = 0.02) -> list[subprocess.Popen[bytes]]:
+        self.ranks = launch(self.root, self.serve, self.run, self.token, *extra, step_sleep=step_sleep)
         return self.ranks
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        """This run's rows of ``table`` (the store holds the module's other runs too)."""
+        (run_id,) = [r["id"] for r in table_rows(self.db, "runs") if r["name"] == self.run]
+        return [r for r in table_rows(self.db, table) if r["run_id"] == run_id]
 
     def proposals(self) -> list[dict[str, Any]]:
         with self.engine.connect() as connection:
@@ -113,13 +136,18 @@ class Scenario:
             if rank.poll() is None:
                 rank.kill()
             rank.wait()
-        self.engine.dispose()
-        self.serve.stop()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    made = Service(tmp_path_factory.mktemp("serve"))
+    yield made
+    made.close()
 
 
 @pytest.fixture
-def scenario(tmp_path: Path) -> Any:
-    made = Scenario(tmp_path)
+def scenario(tmp_path: Path, service: Service, request: pytest.FixtureRequest) -> Any:
+    made = Scenario(tmp_path, service, "-".join(request.node.name.split("_")[1:4]))  # a-corrupted-batch
     yield made
     made.close()
 
@@ -129,12 +157,17 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
     replay = (
         f"{sys.executable} -m monitor.demo.replay --task sequence --corrupt {corrupt} {{spec}} {{result}}"
     )
+    # The ranks train on while the replay and the operator's approval run (wall-clock waits of
+    # two CLI processes and a replay): a 0.1 s step trains fewer throwaway updates then and
+    # leaves the machine's CPU to those processes (at 0.02 four ranks trained 1,100 updates, 87 s
+    # of a 2-core machine under load, before the approval came).
     ranks = scenario.launch(
         "--corrupt",
         corrupt,
         "--wait-rollback",
         "--replay-command",
         replay,
+        step_sleep=0.1,
     )
     first = scenario.wait_proposal(lambda p: p["status"] == "pending")
     assert first["evidence"]["incident"]["first_step"] == 45
@@ -164,17 +197,17 @@ def test_a_corrupted_batch_is_diagnosed_as_data_and_rolled_back_past_it(scenario
     # named (a loaded machine's ranks can outrun the service's placement), then done by every rank.
     rollbacks = [
         d
-        for d in table_rows(scenario.db, "directives")
+        for d in scenario.rows("directives")
         if d["kind"] == "rollback" and json.loads(str(d["payload"]))["proposal"] == approved["proposal"]["id"]
     ]
     assert rollbacks[0]["id"] == approved["proposal"]["directive"]
     assert [d["status"] for d in rollbacks] == ["superseded"] * (len(rollbacks) - 1) + ["done"], rollbacks
-    acks = table_rows(scenario.db, "directive_acks")
+    acks = scenario.rows("directive_acks")
     rollback_acks = [a for a in acks if a["directive_id"] == rollbacks[-1]["id"]]
     assert sorted(a["rank"] for a in rollback_acks) == list(range(WORLD)) and {
         a["status"] for a in rollback_acks
     } == {"done"}
-    steps = table_rows(scenario.db, "step_records")
+    steps = scenario.rows("step_records")
     resumed = [s for s in steps if s["incarnation"] == results[0]["incarnation"]]
     assert min(s["step"] for s in resumed) == 41
     assert not any("r2-b44" in (s["sample_ids"] or "") for s in resumed)
@@ -205,14 +238,16 @@ def test_a_faulty_device_is_found_by_its_canary_and_its_node_quarantined(scenari
         "2",
         "--training-flips",
         "0.02",
+        # Canaries at every checkpoint (10, 20, 30, 40): rank 2's first mismatch and its re-run
+        # come by update 27 and the hardware proposal follows them; 60 updates trained 20 more.
         "--steps",
-        "60",
+        "40",
     )
     results = finish(ranks, scenario.root)
     assert all(not r["rollbacks"] for r in results)
     hardware = scenario.wait_proposal(lambda p: p["verdict"] == "hardware", timeout_s=30)
     assert hardware["quarantine"]["node"] == "node-2"
-    canaries = table_rows(scenario.db, "canary_results")
+    canaries = scenario.rows("canary_results")
     assert {c["verdict"] for c in canaries if c["rank"] != 2} == {"ok"}
     assert "mismatch" in {c["verdict"] for c in canaries if c["rank"] == 2}
     with scenario.engine.connect() as connection:
@@ -241,4 +276,4 @@ def test_a_fault_without_a_reproducible_cause_stays_undetermined_and_quarantines
     latest = scenario.proposals()[-1]
     assert latest["verdict"] == "undetermined"
     assert latest["quarantine"] == {"node": None, "device": None} and latest["data_action"] == "replay"
-    assert table_rows(scenario.db, "actions") == []
+    assert scenario.rows("actions") == []
