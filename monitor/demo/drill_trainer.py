@@ -329,12 +329,6 @@ def train(args: argparse.Namespace) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    if stop.requested:
-        # preempted: the save is published and the deadline is near; torch's interpreter
-        # teardown took 2-17 s on a loaded 2-core machine, so skip it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,3 +339,10 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # the last save is published and every rank is past the barrier: nothing is left to write.
+    # torch's interpreter teardown is skipped: 1-2 s of CPU per process on a loaded 2-core
+    # machine (import torch and DCP, then exit: 4.2 s user CPU against 2.4-2.9 with os._exit),
+    # and up to 17 s of wall there, past a preempted run's warning
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
