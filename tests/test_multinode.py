@@ -31,7 +31,7 @@ from monitor.store.operators import add_operator
 from tests.adapters_support import run_rows
 from tests.collectors_support import ServeProcess, child_environ, store_engine, table_rows, wait_until
 from tests.support import PostgresServer, free_port, require_module
-from tests.test_attach_recipes import AFTER_RESUME, TARGETS, TRAINERS, cli, every_rank_resumed_to, token_files
+from tests.test_attach_recipes import TARGETS, TRAINERS, cli, every_rank_resumed_to, token_files
 
 torch = require_module("torch")
 pytestmark = pytest.mark.slow
@@ -44,6 +44,12 @@ WORLD = 4
 # checkpoint it rolled back to; max_iters only bounds it.
 CORRUPTED = ["--corrupt_at=70", "--corrupt_rank=3", "--always_save_checkpoint=False",
              "--eval_interval=60", "--max_iters=300", "--iter_sleep=0.05", "--stop_file=stop"]  # fmt: skip
+AFTER_RESUME = 25
+"""Updates every rank trains past the checkpoint it rolled back to (60) before the test ends the
+job: past the resumed evaluation at 60 and the corrupted batch's update 71, where a second spike
+(a recovery loop) would be, by 14 updates (the first spike was found at 71 and the job held by
+80); the test then waits for every stored window to be judged. test_attach_recipes' 50 trained
+25 more updates on four ranks that no assertion reads."""
 
 
 class TwoNodeJob:
@@ -207,8 +213,9 @@ def test_two_nodes_against_a_serve_over_postgresql(
     migrate.upgrade(engine)  # `runhealth db upgrade`, as a PostgreSQL store needs before serve
     serve = ServeProcess(tmp_path / "serve", url, RUNHEALTH_POLICIES__RESPONSE__SPIKE="hold")
     serve.root.mkdir()
-    serve.start()
-    request.addfinalizer(serve.stop)
+    request.addfinalizer(serve.stop)  # before start: a start that timed out leaves its process
+    # A serve start imports the service: at load 30 on this 2-core machine it took over 60 s.
+    serve.start(timeout_s=180.0)
     run = "run-postgres-2x2"
     job = TwoNodeJob(
         tmp_path, url, run, RUNHEALTH_URL=serve.url, RUNHEALTH_TOKEN=serve.create_run(run), RUNHEALTH_RUN=run
