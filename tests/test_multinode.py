@@ -117,7 +117,10 @@ class TwoNodeJob:
     def dead_letters(self) -> list[str]:
         return [p.name for p in self.root.glob("spool-*/**/*.dead.jsonl") if p.stat().st_size]
 
-    def pending_proposal(self, timeout_s: float = 120.0) -> dict[str, Any]:
+    def pending_proposal(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """The first pending proposal, waited for from the launches: the deadline covers the
+        start of two agents and four workers (40 s at load 10, and test_recovery_e2e's four ranks
+        took over 120 s at load 20) and 71 updates."""
         found: list[dict[str, Any]] = []
         engine = store_engine(self.db)
 
