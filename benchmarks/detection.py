@@ -82,7 +82,9 @@ def score_stream(case: Case, config: SeriesConfig) -> list[dict[str, Any]]:
 
     positives = [e for e in case.events if e.positive]
     views = {i.view.key: i.view for i in result.incidents}
-    caught_keys = {key for f, key in result.findings if any(inside(f, e) for e in positives)}
+    caught_keys = {
+        key for f, key in result.findings if key is not None and any(inside(f, e) for e in positives)
+    }
     false = [
         {"kind": views[key].kind, "first_step": views[key].first_step}
         for key in sorted(views)
@@ -102,7 +104,7 @@ def score_stream(case: Case, config: SeriesConfig) -> list[dict[str, Any]]:
         }
     ]
     for event in positives:
-        first = next(((f, key) for f, key in result.findings if inside(f, event)), None)
+        first = next(((f, key) for f, key in result.findings if key is not None and inside(f, event)), None)
         row: dict[str, Any] = {
             "case": f"{case.name}:{event.lo}",
             "series": case.name,

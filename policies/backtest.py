@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from policies.incidents import extend, matching_incident, open_incident
 from policies.series import SeriesConfig, SeriesState, observe_step
-from policies.types import Finding, IncidentView, StepPoint
+from policies.types import Finding, IncidentView, Severity, StepPoint
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class BacktestIncident:
 @dataclass(frozen=True)
 class BacktestResult:
     steps: int
-    findings: tuple[tuple[Finding, int], ...]
-    """Each finding with the key of the incident it joined."""
+    findings: tuple[tuple[Finding, int | None], ...]
+    """Each finding with the key of the incident it joined; ``None`` for an ``info`` finding,
+    which is evidence and opens no incident (as in the live judge)."""
     incidents: tuple[BacktestIncident, ...]
 
 
@@ -31,12 +32,15 @@ def backtest_series(points: Iterable[StepPoint], config: SeriesConfig) -> Backte
     state = SeriesState.empty(config)
     views: dict[int, IncidentView] = {}
     summaries: dict[int, str] = {}
-    findings: list[tuple[Finding, int]] = []
+    findings: list[tuple[Finding, int | None]] = []
     steps = 0
     for point in points:
         steps += 1
         state, found = observe_step(state, point, config)
         for finding in found:
+            if finding.severity is Severity.INFO:
+                findings.append((finding, None))
+                continue
             match = matching_incident(finding, views.values(), config.grouping)
             if match is None:
                 key = len(views) + 1

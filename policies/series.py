@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from policies.confirm import Held, confirm_grad_spikes
 from policies.continuity import (
     ContinuityConfig,
     ContinuityState,
@@ -41,6 +42,8 @@ class SeriesState:
     grad_norm_spike: SpikeState
     numerics: NumericsState = field(default_factory=NumericsState)
     continuity: ContinuityState = field(default_factory=ContinuityState)
+    held_grad: Held = ()
+    """Grad-norm spikes waiting for the loss to follow (``policies.confirm``)."""
 
     @classmethod
     def empty(cls, config: SeriesConfig) -> SeriesState:
@@ -75,9 +78,13 @@ def observe_step(
         state.grad_norm_spike, point, "grad_norm", config.grad_norm_spike
     )
     numerics, numeric = observe_numerics(state.numerics, point, config.numerics)
-    findings = numeric + resumed + spikes + grad_spikes + normalization_findings(point, config.normalization)
+    followed = tuple(f for f in numeric + resumed + spikes if f.signal in ("loss", "grad_norm"))
+    held, grad_spikes = confirm_grad_spikes(
+        state.held_grad, grad_spikes, followed, point.step, config.grad_norm_spike.confirm_rows
+    )
+    findings = grad_spikes + numeric + resumed + spikes + normalization_findings(point, config.normalization)
     continuity = after_findings(continuity, findings)
-    return SeriesState(loss_spike, grad_norm_spike, numerics, continuity), findings
+    return SeriesState(loss_spike, grad_norm_spike, numerics, continuity, held), findings
 
 
 def noted(state: SeriesState, findings: Sequence[Finding]) -> SeriesState:

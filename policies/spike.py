@@ -96,6 +96,11 @@ class SpikeConfig:
     Hugging Face Trainer's logged loss, 4). Found on a held-out series: a Whisper fine-tune
     whose loss settles near 1e-4 reads 0.0001 and 0.0002 in its ``trainer_state.json``, and
     each 0.0002 was a critical spike of 2x (3 in 200 rows)."""
+    confirm_rows: int = 0
+    """Grad norm only (``SeriesConfig.grad_norm_spike``; 1 there): a spike below critical is
+    held this many logged rows and raised only when the loss follows or the grad norm stays
+    up, else kept as an ``info`` finding (``policies.confirm`` says where 1 comes from). 0
+    raises at once; the loss rule ignores it (a loss spike is the outcome itself)."""
     recent: int = 10
     """When above 0, a value is judged against the lower of the trailing median and the median
     of the newest ``recent`` values: a loss falling fast leaves the window's median far above
@@ -120,6 +125,8 @@ class SpikeConfig:
             raise ValueError(f"SpikeConfig.noise must be 'level' or 'steps', got {self.noise!r}")
         if self.recent < 0:
             raise ValueError(f"SpikeConfig.recent must be >= 0, got {self.recent}")
+        if self.confirm_rows < 0:
+            raise ValueError(f"SpikeConfig.confirm_rows must be >= 0, got {self.confirm_rows}")
         if not 0 <= self.tail_rank <= self.tail_keep or self.tail_margin < 1 or self.tail_horizon < 1:
             raise ValueError(
                 "SpikeConfig: 0 <= tail_rank <= tail_keep, tail_margin >= 1, tail_horizon >= 1 "
@@ -144,7 +151,12 @@ class SpikeConfig:
         says step changes serve better here); before warm-up, 10x.
         """
         return cls(
-            z=10.0, min_relative=math.log(6.0), cold_ratio=math.log(10.0), log_scale=True, noise="level"
+            z=10.0,
+            min_relative=math.log(6.0),
+            cold_ratio=math.log(10.0),
+            log_scale=True,
+            noise="level",
+            confirm_rows=1,
         )
 
 

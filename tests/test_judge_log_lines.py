@@ -189,17 +189,22 @@ def test_a_txt_training_log_is_read_as_a_log_and_a_txt_table_as_a_table(tmp_path
 
 def test_an_llm_c_log_is_judged_with_its_grad_norm(tmp_path: Path) -> None:
     """llm.c's ``main.log`` (``s:N trl:... lr:... norm:...``, ``s:N tel:...`` for validation)
-    was refused: no line named a step."""
+    was refused: no line named a step. The grad norm is 10x for two steps (one step alone, the
+    loss unmoved, is noted and no incident: ``policies.confirm``)."""
     lines = []
     for step in range(0, 400):
         if step % 100 == 0:
             lines.append(f"s:{step} tel:{3.5 - step * 0.0005:.6f}")
-        norm = 2.5 if step == 300 else 0.25 + 0.01 * ((step * 7) % 5 - 2)
+        norm = 2.5 if step in (300, 301) else 0.25 + 0.01 * ((step * 7) % 5 - 2)
         lines.append(f"s:{step} trl:{3.4 + 0.01 * ((step * 3) % 7 - 3):.4f} lr:0.000355 norm:{norm:.2f}")
     (tmp_path / "main.log").write_text("\n".join(lines) + "\n")
     result = report(tmp_path / "main.log")
     assert result["steps"] == 400
     assert [(i["kind"], i["first_step"]) for i in result["incidents"]] == [("spike", 300)]
+    assert {(f["kind"], f["step"]) for f in result["findings"]} == {
+        ("grad_norm_spike", 300),
+        ("grad_norm_spike", 301),
+    }
 
 
 # aws-solutions-library-samples/guidance-for-protein-language-esm-model-training-with-sagemaker-hyperpod,
