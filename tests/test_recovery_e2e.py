@@ -91,8 +91,21 @@ class Scenario:
         self.ranks: list[subprocess.Popen[bytes]] = []
 
     def launch(self, *extra: str, step_sleep: float = 0.02) -> list[subprocess.Popen[bytes]]:
+        """The ranks, once their job started: four ranks importing torch at once took over 120 s
+        at load 20 (every test's first wait then timed out before a step); the tests' deadlines
+        are for events of a running job."""
         self.ranks = launch(self.root, self.serve, self.run, self.token, *extra, step_sleep=step_sleep)
+
+        def started() -> bool:
+            return bool(self.rows("incarnations")) or any(r.poll() is not None for r in self.ranks)
+
+        assert wait_until(started, 300.0, 0.5) and self.rows("incarnations"), self.logs()
         return self.ranks
+
+    def logs(self) -> str:
+        return "\n".join(
+            path.read_text(errors="replace")[-2000:] for path in sorted(self.root.glob("rank-*.log"))
+        )
 
     def rows(self, table: str) -> list[dict[str, Any]]:
         """This run's rows of ``table`` (the store holds the module's other runs too)."""
