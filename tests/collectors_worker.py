@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +124,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The hook is closed (its ``with`` block) and the rank's result written: nothing is left to
+    # write. torch's interpreter teardown is skipped: 1-2 s of CPU a process on a loaded 2-core
+    # machine (``monitor/demo/drill_trainer.py`` measured it), for every rank of every run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
