@@ -109,10 +109,10 @@ def test_a_resume_onto_half_the_replicas_raises_the_batch_finding_unless_accumul
     token_files(workdir)
     run, token = "batches", serve.create_run("batches")
     starts = (
-        (4, "--max_iters=30", "--gradient_accumulation_steps=2"),
-        (2, "--max_iters=50", "--gradient_accumulation_steps=4", "--init_from=resume"),
-        (1, "--max_iters=70", "--gradient_accumulation_steps=4", "--init_from=resume"),
-    )
+        (4, "--max_iters=10", "--gradient_accumulation_steps=2"),
+        (2, "--max_iters=20", "--gradient_accumulation_steps=4", "--init_from=resume"),
+        (1, "--max_iters=30", "--gradient_accumulation_steps=4", "--init_from=resume"),
+    )  # each trains 11 windows from the checkpoint at its start: BatchConfig.windows (8) and 3 more
     for ranks, *args in starts:
         job = Job(workdir, serve, run, token, **TARGETS)
         request.addfinalizer(job.close)
@@ -131,4 +131,4 @@ def test_a_resume_onto_half_the_replicas_raises_the_batch_finding_unless_accumul
     assert "tokens per update 1024 -> 512 (-50%)" in message, message
     assert "D = N / (TP x PP x CP) = 2 / (1 x 1 x 1) = 2" in message, message
     assert "D = N / (TP x PP x CP) = 1 / (1 x 1 x 1) = 1" in message, message
-    assert finding["severity"] == "warning" and finding["step"] >= 51
+    assert finding["severity"] == "warning" and finding["step"] >= 21
