@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,12 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
 
 def main() -> None:
     run_rank(train, arguments())
+    # The hook is closed, the process group destroyed and the result written: skip torch's
+    # interpreter teardown (about 1.5 s of CPU a process on the test machine).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

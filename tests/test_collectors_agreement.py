@@ -1,5 +1,5 @@
 """The directive agreement stays in step on every rank whatever one rank's own action does
-(``collectors/agent.py``, ``DirectiveAgent.boundary``): 4 gloo ranks training a DDP model, rank 1
+(``collectors/agent.py``, ``DirectiveAgent.boundary``): 2 gloo ranks training a DDP model, rank 1
 alone handed a malformed canary re-run. Its failure is counted on rank 1; every rank trains to
 the end. Before the agreement was made first at a boundary, the failure skipped rank 1's
 agreement and its attempt count, gloo paired rank 1's next agreement with a peer's gradient
@@ -18,7 +18,7 @@ from tests.support import require_module
 
 require_module("torch")
 
-WORLD = 4
+WORLD = 2  # rank 1's failure against one peer is the whole case (it hung at 2 as at 4 ranks)
 WINDOWS = 30
 
 
@@ -38,6 +38,6 @@ def test_one_ranks_failing_directive_leaves_the_agreement_in_step(tmp_path: Path
     assert time.monotonic() - started < 120
     assert [result["progress"]["attempt"] for result in results] == [WINDOWS] * WORLD
     errors = [result["counters"]["hook_errors"] for result in results]
-    assert errors[1] >= 1 and errors[0] == errors[2] == errors[3] == 0, errors
+    assert errors[1] >= 1 and all(count == 0 for rank, count in enumerate(errors) if rank != 1), errors
     log = (tmp_path / "rank-1.log").read_text()
     assert "directive canary failed; training continues" in log
