@@ -189,7 +189,9 @@ class ServeProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 180.0) -> None:
+        """Start it and wait for its port file; 180 s: at load 20-30 on 2 cores a start took
+        over 60. One that exits or does not start in time is stopped before the error."""
         self.starts += 1
         port_file = self.root / f"port-{self.starts}"
         command = [
@@ -203,6 +205,7 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"runhealth serve did not start: {self.log_tail()}")
             time.sleep(0.05)
 
