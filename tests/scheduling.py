@@ -9,8 +9,8 @@ below, longest first: the greedy longest-first schedule, whose make-span is at m
 best one.
 
 The seconds are each file's total from ``pytest --durations=0`` in a clean worktree (setup,
-call and teardown summed; the run of 2026-12-02 under load, ``-n 2 --dist loadfile``, and for
-the files added on 2026-12-03 two runs of them alone at load 5-9). Only
+call and teardown summed; ``make test`` of 03f6a78 on 2026-12-07, ``-n 2 --dist loadfile``,
+nothing else running, 1,151 s in all; ``scripts/file_seconds.py LOG --min 10``). Only
 their order matters; a file not listed counts as 0 s and keeps its collection order after
 the listed ones. ``tests/test_scheduling.py`` checks every listed file exists.
 """
@@ -22,39 +22,40 @@ from pathlib import Path
 import pytest
 
 FILE_SECONDS: dict[str, float] = {
-    # split on 2026-12-07: the nanoGPT rollback and resume tests were 320 of the file's 471 s in a
-    # clean run, then cut by about a quarter of their CPU; both scaled to this table's 245.6
-    "tests/test_attach_nanogpt.py": 170.0,
-    "tests/test_attach_recipes.py": 80.0,
-    "tests/test_drills.py": 172.5,
-    "tests/test_recovery_e2e.py": 146.3,
-    "tests/test_recovery_holds.py": 135.1,
-    "tests/test_collectors_multirank.py": 108.8,
-    "tests/test_multinode.py": 87.2,  # scaled by its after/before (mean of 3 afters), 2026-12-04
-    "tests/test_collectors_transport.py": 71.4,
-    "tests/test_judge_batches.py": 63.7,
-    "tests/test_collectors_async_saves.py": 60.5,
-    "tests/test_demo.py": 60.0,
-    "tests/test_multinode_tutorial.py": 53.8,  # alone beside two busy processes, 2026-12-04
-    "tests/test_attach_mnist.py": 55.0,  # 120-150 s for 4 tests at load 7-11 (now 3), 2026-12-07
-    "tests/test_attach_imagenet.py": 50.0,  # 50-62 s beside other helpers' runs, load 10-11, 2026-12-04
-    "tests/test_collectors_hf.py": 47.4,
-    "tests/test_replicas.py": 44.3,  # scaled by its after/before, measured back to back, 2026-12-04
-    "tests/test_restart_loop.py": 37.1,
-    "tests/test_attach_word_lm.py": 36.0,  # 26-39 s beside other helpers' runs, load 5-10, 2026-12-04
-    "tests/test_attach_accelerate.py": 30.9,  # alone beside two busy processes, 2026-12-04
-    "tests/test_ingest_postgres_copy.py": 30.4,  # scaled by its after/before, measured back to back, 2026-12-04
-    "tests/test_collectors_skip_update.py": 30.4,
-    "tests/test_collectors_agreement.py": 28.1,
-    "tests/test_config.py": 25.3,
-    "tests/test_collectors_shedding.py": 23.0,
-    "tests/test_api.py": 21.7,  # scaled by its after/before, measured back to back, 2026-12-04
-    "tests/test_prometheus.py": 20.7,
-    "tests/test_cli_proposals.py": 19.1,  # scaled by its after/before, measured back to back, 2026-12-04
-    "tests/test_store_retention.py": 18.2,
-    "tests/test_store_usage.py": 17.8,
-    "tests/test_collectors_lightning.py": 16.6,
-    "tests/test_decisions.py": 10.4,  # scaled by its after/before, measured back to back, 2026-12-04
+    "tests/test_attach_nanogpt.py": 274.1,
+    "tests/test_drills.py": 197.5,
+    "tests/test_attach_recipes.py": 156.2,
+    "tests/test_multinode.py": 118.0,
+    "tests/test_recovery_e2e.py": 102.2,
+    "tests/test_recovery_holds.py": 99.2,
+    "tests/test_demo.py": 88.0,
+    "tests/test_collectors_transport.py": 86.7,
+    "tests/test_collectors_multirank.py": 73.5,
+    "tests/test_attach_mnist.py": 73.3,
+    "tests/test_backtest.py": 67.0,
+    "tests/test_multinode_tutorial.py": 65.0,
+    "tests/test_ingest_postgres_copy.py": 54.5,
+    "tests/test_replicas.py": 54.4,
+    "tests/test_judge_batches.py": 51.1,
+    "tests/test_attach_accelerate.py": 50.6,
+    "tests/test_restart_loop.py": 50.5,
+    "tests/test_api_schema.py": 44.4,
+    "tests/test_collectors_hf.py": 40.9,
+    "tests/test_attach_imagenet.py": 39.7,
+    "tests/test_attach_word_lm.py": 31.4,
+    "tests/test_collectors_shedding.py": 27.0,
+    "tests/test_cli_proposals.py": 25.6,
+    "tests/test_collectors_async_saves.py": 25.3,
+    "tests/test_prometheus.py": 24.4,
+    "tests/test_api.py": 22.0,
+    "tests/test_collectors_skip_update.py": 18.8,
+    "tests/test_collectors_lightning.py": 18.6,
+    "tests/test_collectors_no_silent_loss.py": 18.2,
+    "tests/test_cli.py": 17.2,
+    "tests/test_config.py": 15.9,
+    "tests/test_layers.py": 15.6,
+    "tests/test_collectors_agreement.py": 13.2,
+    "tests/test_collectors_relay.py": 10.3,
 }
 
 
