@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig
-from monitor.demo.worker import run_rank
+from monitor.demo.worker import exit_without_teardown, run_rank
 from tests.collectors_support import RecordingTransport
 from tests.collectors_worker import VOCAB, batches, model
 
@@ -66,12 +63,7 @@ def train(rank: int, args: argparse.Namespace, environ: dict[str, str]) -> dict[
 
 def main() -> None:
     run_rank(train, arguments())
-    # The hook is closed, the process group destroyed and the result written: skip torch's
-    # interpreter teardown (about 1.5 s of CPU a process on the test machine).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # the hook is closed, the group destroyed, the result written
 
 
 if __name__ == "__main__":

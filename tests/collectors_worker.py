@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig
-from monitor.demo.worker import run_rank
+from monitor.demo.worker import exit_without_teardown, run_rank
 
 VOCAB = 64
 
@@ -124,9 +122,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The hook is closed (its ``with`` block) and the rank's result written: nothing is left to
-    # write. torch's interpreter teardown is skipped: 1-2 s of CPU a process on a loaded 2-core
-    # machine (``monitor/demo/drill_trainer.py`` measured it), for every rank of every run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # the hook's ``with`` block closed it; the result is written
