@@ -10,7 +10,6 @@ import typer
 
 from monitor.cli.options import JsonOption
 from monitor.cli.render import UserError, out, print_json, table
-from monitor.judge.backtest import backtest_file, parse_mapping, report_json
 from policies.series import SeriesConfig
 from policies.spike import SpikeConfig
 
@@ -39,6 +38,9 @@ def backtest_command(
     if preset not in PRESETS:
         raise UserError(f"--preset must be one of {', '.join(PRESETS)}, not {preset!r}")
     config = SeriesConfig(loss_spike=PRESETS[preset]())
+    # The readers bring polars: loaded when a backtest runs, not by every command's start.
+    from monitor.judge.backtest import backtest_file, parse_mapping, report_json
+
     # The file is read as it is judged: memory holds the findings, not the file.
     reports, notes = backtest_file(file, parse_mapping(column or []), run, config)
     document = report_json(reports, notes, file)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from monitor.errors import ConfigError
-from monitor.judge.backtest import BacktestError
+from monitor.judge.series_error import BacktestError
 from monitor.recovery.replay_jobs import ReplayError
 from monitor.store import queries
 from monitor.store.db import StoreError

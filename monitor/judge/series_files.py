@@ -25,6 +25,7 @@ from typing import Any
 import polars as pl
 
 from monitor.judge.log_lines import LOG_SUFFIXES, LogSteps, log_rows
+from monitor.judge.series_error import BacktestError as BacktestError  # raised here, caught by the CLI
 from monitor.judge.tfevents import EventFileError, RecordEnd, event_runs, event_scalars, is_event_file
 
 CHUNK_BYTES = 1 << 20
@@ -44,10 +45,6 @@ TRAINER_STATE_SUFFIX = ".json"
 NOT_TRAINING = ("eval_", "predict_", "test_", "train_runtime")
 """Keys of a ``log_history`` entry that is no training step: an evaluation, or the closing
 summary (whose ``train_loss`` is the mean of the whole run)."""
-
-
-class BacktestError(ValueError):
-    """A file that cannot be backtested as given; one line, naming the file, or the column and row."""
 
 
 Rows = Callable[[Path], Iterator[Mapping[str, str | None]]]
