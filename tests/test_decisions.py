@@ -366,7 +366,7 @@ def test_a_resume_check_failing_after_a_rollback_proposes_no_second_rollback(
             )
         ).all()
     assert spike["status"] == "open"
-    assert spike["story"][-1]["action"] == "resume_verified"
+    assert spike["story"][-1]["action"] == "resume_failed"
     assert spike["story"][-1]["details"]["verdict"] == "failed"
     (incident,) = broken
     assert (incident.status, incident.severity) == ("open", "critical")

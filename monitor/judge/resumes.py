@@ -31,6 +31,9 @@ AUDIT = models.table_of(models.AuditEntry)
 # A rollback is carried out from its approval (the directive goes out) until every rank said done.
 CARRIED_OUT = (ProposalStatus.EXECUTING.value, ProposalStatus.DONE.value)
 VERIFIED = "resume_verified"
+FAILED = "resume_failed"
+"""The audit actions of a rollback's resume check: passed, or failed (an operator reading the
+log at 3 AM must not read "verified" over a resume that lost its state)."""
 NOTE_KIND = "data_order_not_reproducible"
 
 # More ranks than this with the same problem are reported once, as a count.
@@ -94,7 +97,7 @@ def resume_verified(connection: Connection, proposal_id: int) -> bool:
     """Whether the resume after this rollback was judged (passed or failed) already."""
     entry = connection.execute(
         sa.select(AUDIT.c.seq)
-        .where(AUDIT.c.action == VERIFIED, AUDIT.c.subject == f"proposal:{proposal_id}")
+        .where(AUDIT.c.action.in_((VERIFIED, FAILED)), AUDIT.c.subject == f"proposal:{proposal_id}")
         .limit(1)
     ).first()
     return entry is not None

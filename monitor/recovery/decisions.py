@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.judge.incidents import close_incident
-from monitor.judge.resumes import resume_verified, rollback_awaiting, started_by_rollback
+from monitor.judge.resumes import FAILED, VERIFIED, resume_verified, rollback_awaiting, started_by_rollback
 from monitor.recovery import checkpoints, directives, responses
 from monitor.recovery.config import DecisionConfig
 from monitor.recovery.evidence import incident_evidence
@@ -848,7 +848,7 @@ class Decisions:
         audit.append(
             connection,
             actor="engine",
-            action="resume_verified",
+            action=FAILED if problems else VERIFIED,
             subject=f"proposal:{done['id']}",
             now=now,
             run_id=run_id,
