@@ -20,7 +20,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from collectors import RunHealth, RunHealthConfig
-from monitor.demo.worker import exit_without_teardown, run_rank
+from monitor.demo.process_exit import exit_without_teardown
+from monitor.demo.worker import run_rank
 from tests.collectors_support import RecordingTransport
 from tests.collectors_worker import VOCAB, batches, model
 

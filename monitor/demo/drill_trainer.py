@@ -47,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from monitor.demo.process_exit import exit_without_teardown
+
 DATASET_SIZE = 4096
 FEATURES = 16
 KEEP_CHECKPOINTS = 2  # the drills read the last two (the next gradient update)
@@ -337,7 +339,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from monitor.demo.worker import exit_without_teardown
-
     main()
     exit_without_teardown()  # the last save is published and every rank is past the barrier
