@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from monitor.errors import ConfigError as ConfigError  # where callers have always found it
+from monitor.garbage import GarbageConfig
 from monitor.ingest.admission import SheddingConfig
 from monitor.ingest.postgres_copy import INLINE_ROWS
 from monitor.judge.config import CanaryServiceConfig, EngineConfig
@@ -122,5 +123,7 @@ class ServiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
+    # The serving process's garbage collector thresholds (``monitor.garbage``).
+    garbage: GarbageConfig = field(default_factory=GarbageConfig)
     # `runhealth drill`'s tolerances and budgets (not the service's: read by the CLI that runs it)
     drills: DrillConfig = field(default_factory=DrillConfig)

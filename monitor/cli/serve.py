@@ -74,10 +74,12 @@ def _serve(
     discovery: Path | None,
     log_level: str,
 ) -> None:
+    from monitor import garbage
     from monitor.api.server import uvicorn_server
     from monitor.replicas import ReplicaJudge
     from monitor.scheduler import start_scheduler
 
+    garbage.apply(service.config.garbage)
     bound = sock.getsockname()[1]
     with dying_by_sigterm(), announced(discovery, found):
         # Last, after the discovery file: a launcher that waits for the port file finds

@@ -36,6 +36,7 @@ SECTIONS: Mapping[Path, Path] = {
     ("scheduler",): ("scheduler",),
     ("retention",): ("retention",),
     ("replicas",): ("replicas",),
+    ("garbage",): ("garbage",),
     ("policies", "spike"): ("engine", "series", "loss_spike"),
     ("policies", "grad_norm_spike"): ("engine", "series", "grad_norm_spike"),
     ("policies", "numerics"): ("engine", "series", "numerics"),
