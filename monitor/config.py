@@ -37,6 +37,11 @@ class IngestConfig:
     post sends a few records a post, and for so few the staging table's three round trips cost
     more than they save (the default's measurement: ``monitor.ingest.postgres_copy.INLINE_ROWS``).
     0 sends every batch by ``COPY``.
+
+    ``group_commit``: on a replica (``runhealth serve`` over PostgreSQL), batches of step
+    records, heartbeats and device and link samples that wait for the store while another is
+    written are written together, each run's in one transaction, each batch with its own
+    answer (``monitor.ingest.group_commit``). Off only to compare.
     """
 
     max_batch_bytes: int = 32 * 1024 * 1024
@@ -45,6 +50,7 @@ class IngestConfig:
     shedding: SheddingConfig = field(default_factory=SheddingConfig)
     copy_on_postgresql: bool = True
     inline_rows: int = INLINE_ROWS
+    group_commit: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_bytes < 1024 or self.max_batch_records < 1:

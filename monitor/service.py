@@ -14,8 +14,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from monitor.config import ServiceConfig
+from monitor.ingest import group_commit
 from monitor.ingest.admission import IngestAdmission
 from monitor.ingest.batches import IngestResult, WorldSizes, ingest_batch
+from monitor.ingest.group_commit import Waiting
 from monitor.judge.arrivals import Arrivals
 from monitor.judge.canaries import CanaryWatch
 from monitor.judge.engine import PolicyEngine
@@ -59,6 +61,27 @@ def _pending(connection: Connection, run_id: int, asked: Asked | None) -> Pendin
     return directives.pending_for_ranks(connection, run_id, asked.incarnation, asked.ranks)
 
 
+def _pending_for_group(
+    connection: Connection, run_id: int, questions: Sequence[Asked | None]
+) -> list[Pending]:
+    """Each question's answer, read once for all of a group's batches asking about ranks of
+    one incarnation (a rank's answer depends on nothing else): one read, not one a batch."""
+    wanted: dict[str, set[int]] = {}
+    for asked in questions:
+        if asked is not None and asked.ranks:
+            wanted.setdefault(asked.incarnation, set()).update(asked.ranks)
+    found = {
+        incarnation: directives.pending_for_ranks(connection, run_id, incarnation, sorted(ranks))
+        for incarnation, ranks in wanted.items()
+    }
+    return [
+        {rank: found[asked.incarnation][rank] for rank in asked.ranks}
+        if asked is not None and asked.ranks
+        else {}
+        for asked in questions
+    ]
+
+
 class Service:
     def __init__(
         self,
@@ -85,6 +108,10 @@ class Service:
         )
         # One writer at a time: SQLite has one anyway, and it keeps window folding exact.
         self._write_lock = threading.Lock()
+        # Batches waiting for that lock, written together by whichever thread takes it next
+        # (a replica's, ``monitor.ingest.group_commit``).
+        self._waiting: list[Waiting] = []
+        self._waiting_lock = threading.Lock()
         self._world_sizes = WorldSizes()  # read once per incarnation, not once per batch
         # Per run, its token's digest, id and when it was read (``TOKEN_TRUST_S``); the epoch
         # counts renewals, so a read that began before one does not store the old token after it.
@@ -167,9 +194,34 @@ class Service:
         self, run: str, run_id: int, records: Sequence[Any], asked: Asked | None
     ) -> tuple[IngestResult, Pending]:
         self._check_store()
+        late: list[dict[str, Any]] = []
+        if self.leases is not None and self.config.ingest.group_commit and group_commit.groupable(records):
+            result, pending = self._ingest_grouped(Waiting(run, run_id, records, asked))
+        else:
+            with self._write_lock:
+                result, pending, late = self._write(run_id, records, asked)
+            self.count(run, "late", len(late))
+        self._check_store()  # deleted while this batch was written: it is not acknowledged
+        self.count(run, "accepted", result.accepted)
+        self.count(run, "duplicates", result.duplicates)
+        if self.leases is not None:  # the run's judge reads the batch from the store
+            self.arrived.set()
+            return result, pending
+        self._judge_batch(run, run_id, records, result, late)
+        if asked is not None:  # after judging: the directives it issued are in the answer
+            with self.engine.connect() as connection:
+                pending = _pending(connection, run_id, asked)
+        return result, pending
+
+    def _write(
+        self, run_id: int, records: Sequence[Any], asked: Asked | None
+    ) -> tuple[IngestResult, Pending, list[dict[str, Any]]]:
+        """Store one batch (``records`` may be a group's, merged) in its own transaction, the
+        write lock held: what it stored, its directives answer on a replica, and the step
+        records that reached windows already judged."""
         pending: Pending = {}
         try:
-            with self._write_lock, self.engine.begin() as connection:
+            with self.engine.begin() as connection:
                 lock_run_writes(connection, run_id)  # another replica may be writing this run
                 result = ingest_batch(
                     connection,
@@ -188,18 +240,64 @@ class Service:
                     pending = _pending(connection, run_id, asked)
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
             raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
-        self._check_store()  # deleted while this batch was written: it is not acknowledged
-        self.count(run, "accepted", result.accepted)
-        self.count(run, "duplicates", result.duplicates)
-        self.count(run, "late", len(late))
-        if self.leases is not None:  # the run's judge reads the batch from the store
-            self.arrived.set()
-            return result, pending
-        self._judge_batch(run, run_id, records, result, late)
-        if asked is not None:  # after judging: the directives it issued are in the answer
-            with self.engine.connect() as connection:
-                pending = _pending(connection, run_id, asked)
-        return result, pending
+        return result, pending, late
+
+    def _ingest_grouped(self, entry: Waiting) -> tuple[IngestResult, Pending]:
+        """Queue the batch; whichever thread takes the write lock next writes it with every
+        other batch then queued (``monitor.ingest.group_commit``). Its own answer, or its own
+        error, raised here."""
+        with self._waiting_lock:
+            self._waiting.append(entry)
+        with self._write_lock:
+            if not entry.done:
+                with self._waiting_lock:
+                    taken, self._waiting = self._waiting, []
+                for group in group_commit.groups(taken, self.config.ingest.max_batch_records):
+                    self._write_group(group)
+        if entry.error is not None:
+            raise entry.error
+        assert entry.result is not None  # written by this thread or the one before it
+        return entry.result, entry.pending
+
+    def _write_group(self, group: list[Waiting]) -> None:
+        """One run's queued batches in one transaction; each alone if that fails."""
+        if len(group) > 1:
+            try:
+                self._write_merged(group)
+                return
+            except Exception:  # a conflict, a refused record, the store: each batch alone
+                log.debug("a group of %d batches is written one by one", len(group), exc_info=True)
+        for entry in group:
+            try:
+                entry.result, entry.pending, late = self._write(entry.run_id, entry.records, entry.asked)
+                self.count(entry.run, "late", len(late))
+            except Exception as exc:  # raised in the thread that posted the batch
+                entry.error = exc
+            entry.done = True
+
+    def _write_merged(self, group: list[Waiting]) -> None:
+        first = group[0]
+        pendings: list[Pending] = []
+        try:
+            with self.engine.begin() as connection:
+                lock_run_writes(connection, first.run_id)
+                result = ingest_batch(
+                    connection,
+                    first.run_id,
+                    group_commit.merged(group),
+                    self.clock(),
+                    copy=self.config.ingest.copy_on_postgresql,
+                    inline_rows=self.config.ingest.inline_rows,
+                    world_sizes=self._world_sizes,
+                )
+                late = fold_new_steps(connection, first.run_id, result.new_rows.get("step", []))
+                pendings = _pending_for_group(connection, first.run_id, [entry.asked for entry in group])
+        except sa.exc.OperationalError as exc:
+            raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
+        self.count(first.run, "late", len(late))
+        self.count(first.run, "grouped_batches", len(group))
+        for entry, answer, pending in zip(group, group_commit.split(result, group), pendings, strict=True):
+            entry.result, entry.pending, entry.done = answer, pending, True
 
     def _judge_batch(
         self, run: str, run_id: int, records: Sequence[Any], result: IngestResult, late: list[dict[str, Any]]

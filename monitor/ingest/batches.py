@@ -108,6 +108,10 @@ class IngestResult:
     by_kind: dict[str, int] = field(default_factory=dict)
     new_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """The newly stored rows of each keyed kind, for the engine (duplicates excluded)."""
+    stored_at: list[int] = field(default_factory=list)
+    """The positions, in the batch, of the records counted in ``accepted`` (in no order)."""
+    duplicate_at: list[int] = field(default_factory=list)
+    """The positions of the records counted in ``duplicates``."""
 
     def as_json(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "duplicates": self.duplicates, "by_kind": self.by_kind}
@@ -189,8 +193,9 @@ def ingest_batch(
             stored = _ingest_run_starts(connection, run_id, indexed, result)
         elif kind == "run_finish":
             stored = _ingest_run_finishes(connection, run_id, indexed, result)
-        elif kind == "heartbeat":
+        elif kind == "heartbeat":  # every one counted: the newest of each rank's is kept
             stored = _ingest_heartbeats(connection, run_id, [r for _, r in indexed], now, copy, inline_rows)
+            result.stored_at.extend(index for index, _ in indexed)
         else:  # the schema's discriminator makes this unreachable
             raise ValueError(f"unknown record kind {kind!r}")
         result.by_kind[kind] = stored
@@ -270,6 +275,7 @@ def _ingest_keyed(
             if fresh[key][1]["content_hash"] != digest and not spec.key_is_identity:
                 raise ConflictError(index, kind, dict(zip(spec.key, key, strict=True)))
             result.duplicates += 1
+            result.duplicate_at.append(index)
             continue
         row.update(run_id=run_id, received_at=now, content_hash=digest)
         fresh[key] = (index, row)
@@ -278,10 +284,10 @@ def _ingest_keyed(
         not_inserted = postgres_copy.insert_new(connection, spec.table, rows, inline_rows)
     else:
         not_inserted = _insert_new_rows(connection, spec, run_id, rows)
+    indexes = [index for index, _ in fresh.values()]
     if not_inserted:
         # Only keys already stored come here: a re-send (counted) or a conflict (refused,
         # the batch's first one named, whichever order the store answered in).
-        indexes = [index for index, _ in fresh.values()]
         for position in sorted(not_inserted):
             stored_hash = not_inserted[position]
             row = rows[position]
@@ -290,8 +296,11 @@ def _ingest_keyed(
             if stored_hash != row["content_hash"] and not spec.key_is_identity:
                 raise ConflictError(indexes[position], kind, {name: row[name] for name in spec.key})
             result.duplicates += 1
+            result.duplicate_at.append(indexes[position])
         rows = [row for position, row in enumerate(rows) if position not in not_inserted]
+        indexes = [index for position, index in enumerate(indexes) if position not in not_inserted]
     result.new_rows.setdefault(kind, []).extend(rows)
+    result.stored_at.extend(indexes)
     return len(rows)
 
 
@@ -477,8 +486,11 @@ def _ingest_run_starts(
             stored += 1
         elif existing.content_hash == digest:
             result.duplicates += 1
+            result.duplicate_at.append(index)
+            continue
         else:
             raise ConflictError(index, "run_start", {"incarnation": record.incarnation})
+        result.stored_at.append(index)
     return stored
 
 
@@ -507,10 +519,12 @@ def _ingest_run_finishes(
             connection.execute(table.update().where(table.c.id == existing.id).values(**values))
         elif existing.finish_hash == digest:
             result.duplicates += 1
+            result.duplicate_at.append(index)
             continue
         else:
             raise ConflictError(index, "run_finish", {"incarnation": record.incarnation})
         stored += 1
+        result.stored_at.append(index)
     return stored
 
 

@@ -26,6 +26,7 @@ INGEST_COUNTERS = (
     (names.RECORDS_DUPLICATE, "duplicates"),
     (names.RECORDS_LATE, "late"),
     (names.RECORDS_REJECTED, "rejected"),
+    (names.BATCHES_GROUPED, "grouped_batches"),
     (names.JUDGE_ERRORS, "judge_errors"),
 )
 NVLINK_TYPES = ("replay", "recovery", "crc_flit", "crc_data")

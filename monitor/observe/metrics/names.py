@@ -128,6 +128,13 @@ RECORDS_LATE = Metric(
 RECORDS_REJECTED = Metric(
     "runhealth_records_rejected_total", "counter", RUN, "Batches refused (invalid, conflicting or too large)."
 )
+BATCHES_GROUPED = Metric(
+    "runhealth_ingest_grouped_batches_total",
+    "counter",
+    RUN,
+    "Batches written in one transaction with others of their run that waited for the store beside "
+    "them (group commit, on a replica).",
+)
 JUDGE_ERRORS = Metric(
     "runhealth_judge_errors_total", "counter", RUN, "Batches stored but not judged because judging failed."
 )
