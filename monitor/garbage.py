@@ -1,10 +1,11 @@
 """CPython's cyclic garbage collector in a ``runhealth serve`` process.
 
-A batch of 1,000 step records makes tens of thousands of container objects (validated models,
-row dicts, the judge's readings), nearly all freed by reference counting. With CPython's default thresholds (700, 10, 10) such a batch sets off dozens of
-young collections and, every hundred of them, a pass over the older generations, which in a
-serving process hold the engine's per-run state, SQLAlchemy's and pydantic's structures and
-every imported module. So the collector runs less often, not never: what cycles there are
+A batch of 1,000 step records makes thousands of container objects (validating it alone sets
+off four or five young collections at CPython's default thresholds of 700, 10, 10; then the
+stored rows, the judge's rows and readings), nearly all freed by reference counting. Every
+hundred young collections CPython also walks the older generations, which in a serving
+process hold the engine's per-run state, SQLAlchemy's and pydantic's structures and every
+imported module. So the collector runs less often here, not never: what cycles there are
 (exceptions with their tracebacks, reference loops in libraries) are still collected.
 """
 
