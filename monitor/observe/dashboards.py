@@ -205,6 +205,10 @@ def run_overview() -> Dashboard:
                         f"sum by (run) (rate({n.JUDGE_ERRORS.name}{{{RUN}}}[{WINDOW}]))",
                         "{{run}} judge errors",
                     ),
+                    q(
+                        f"sum by (run) (rate({n.BATCHES_GROUPED.name}{{{RUN}}}[{WINDOW}]))",
+                        "{{run}} batches written in a group",
+                    ),
                 ),
                 unit="reqps",
             ),
