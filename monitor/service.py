@@ -256,7 +256,7 @@ class Service:
                     self._write_group(group)
         if entry.error is not None:
             raise entry.error
-        assert entry.result is not None  # written by this thread or the one before it
+        assert entry.result is not None  # written by this thread or one that took the lock first
         return entry.result, entry.pending
 
     def _write_group(self, group: list[Waiting]) -> None:
@@ -276,24 +276,22 @@ class Service:
             entry.done = True
 
     def _write_merged(self, group: list[Waiting]) -> None:
+        """The group as one batch in one transaction; raises whatever stops it (the caller
+        then writes each batch alone, and each gets its own answer or error)."""
         first = group[0]
-        pendings: list[Pending] = []
-        try:
-            with self.engine.begin() as connection:
-                lock_run_writes(connection, first.run_id)
-                result = ingest_batch(
-                    connection,
-                    first.run_id,
-                    group_commit.merged(group),
-                    self.clock(),
-                    copy=self.config.ingest.copy_on_postgresql,
-                    inline_rows=self.config.ingest.inline_rows,
-                    world_sizes=self._world_sizes,
-                )
-                late = fold_new_steps(connection, first.run_id, result.new_rows.get("step", []))
-                pendings = _pending_for_group(connection, first.run_id, [entry.asked for entry in group])
-        except sa.exc.OperationalError as exc:
-            raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
+        with self.engine.begin() as connection:
+            lock_run_writes(connection, first.run_id)
+            result = ingest_batch(
+                connection,
+                first.run_id,
+                group_commit.merged(group),
+                self.clock(),
+                copy=self.config.ingest.copy_on_postgresql,
+                inline_rows=self.config.ingest.inline_rows,
+                world_sizes=self._world_sizes,
+            )
+            late = fold_new_steps(connection, first.run_id, result.new_rows.get("step", []))
+            pendings = _pending_for_group(connection, first.run_id, [entry.asked for entry in group])
         self.count(first.run, "late", len(late))
         self.count(first.run, "grouped_batches", len(group))
         for entry, answer, pending in zip(group, group_commit.split(result, group), pendings, strict=True):
