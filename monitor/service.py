@@ -240,6 +240,7 @@ class Service:
                     pending = _pending(connection, run_id, asked)
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
             raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
+        self._hand_to_judge(run_id, result)
         return result, pending, late
 
     def _ingest_grouped(self, entry: Waiting) -> tuple[IngestResult, Pending]:
@@ -292,10 +293,20 @@ class Service:
             )
             late = fold_new_steps(connection, first.run_id, result.new_rows.get("step", []))
             pendings = _pending_for_group(connection, first.run_id, [entry.asked for entry in group])
+        self._hand_to_judge(first.run_id, result)
         self.count(first.run, "late", len(late))
         self.count(first.run, "grouped_batches", len(group))
         for entry, answer, pending in zip(group, group_commit.split(result, group), pendings, strict=True):
             entry.result, entry.pending, entry.done = answer, pending, True
+
+    def _hand_to_judge(self, run_id: int, result: IngestResult) -> None:
+        """A committed batch's new rows, to this replica's judge if it judges the run (it then
+        need not read them back; ``monitor.judge.arrivals``). Called with the write lock held,
+        so batches are handed in the order they were committed."""
+        if self.leases is None:
+            return
+        for kind, newest in result.newest_id.items():
+            self.arrivals.written(run_id, kind, result.new_rows.get(kind, []), newest)
 
     def _judge_batch(
         self, run: str, run_id: int, records: Sequence[Any], result: IngestResult, late: list[dict[str, Any]]

@@ -31,6 +31,7 @@ from tests.support import INCARNATION, PostgresServer, make_run, snapshot, step_
 
 NOW = 5000.0
 WRITTEN = ("step_records", "device_samples", "link_samples", "heartbeats", "step_summaries")
+KINDS = {"step": "step_records", "device_sample": "device_samples", "link_sample": "link_samples"}
 
 # Text that COPY's text format must escape, or that looks like its NULL marker.
 AWKWARD_TEXT = ["tab\there", "new\nline", "carriage\rreturn", "back\\slash", "\\N", "N", "ünïcødé ✓", " "]
@@ -286,6 +287,35 @@ def test_two_batches_in_one_transaction(stores: list[Store]) -> None:
         assert ingest_batch(connection, copied.run_id, first, NOW, inline_rows=0).accepted == 4
         again = ingest_batch(connection, copied.run_id, second + first[:1], NOW, inline_rows=0)
     assert (again.accepted, again.duplicates) == (4, 1)
+
+
+def test_each_kind_answers_the_newest_id_it_stored(stores: list[Store]) -> None:
+    """By COPY and as arrays, the id of each kind's newest stored row (a judging replica's own
+    rows are handed to its judge up to it, ``monitor.judge.arrivals``); a re-send stores none and
+    answers none, and a batch half re-sent answers its new rows' newest."""
+    tables = {kind: models.Base.metadata.tables[name] for kind, name in KINDS.items()}
+
+    def stored_newest(store: Store) -> dict[str, int]:
+        with store.engine.connect() as connection:
+            return {
+                kind: connection.execute(sa.select(sa.func.max(table.c.id))).scalar_one()
+                for kind, table in tables.items()
+            }
+
+    for store in (store for store in stores if store.copy):
+        first = list(BatchIn.model_validate({"records": awkward_steps(0) + samples(1)}).records)
+        with store.engine.begin() as connection:
+            answered = ingest_batch(connection, store.run_id, first, NOW, inline_rows=store.inline_rows)
+        assert answered.newest_id == stored_newest(store), store.name
+        with store.engine.begin() as connection:
+            assert (
+                ingest_batch(connection, store.run_id, first, NOW, inline_rows=store.inline_rows).newest_id
+                == {}
+            )
+        half = list(BatchIn.model_validate({"records": awkward_steps(0) + awkward_steps(1)}).records)
+        with store.engine.begin() as connection:
+            answered = ingest_batch(connection, store.run_id, half, NOW, inline_rows=store.inline_rows)
+        assert answered.newest_id == {"step": stored_newest(store)["step"]}, store.name
 
 
 # --- where COPY is used ---------------------------------------------------------------------

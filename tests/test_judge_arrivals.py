@@ -3,6 +3,7 @@ and a record stored after its window was judged judged late, once."""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -12,7 +13,7 @@ from monitor.service import Service
 from monitor.store import models
 from monitor.store.db import create_store_engine
 from monitor.store.leases import RunLeases
-from tests.support import ADMIN_TOKEN, RunHandle, both_backends, post, spiky_windows
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, make_run, post, spiky_windows
 
 SUMMARY = models.table_of(models.StepSummary)
 FINDING = models.table_of(models.FindingRow)
@@ -122,3 +123,101 @@ def test_a_look_tells_each_start_and_finish_once(store: Engine, run: RunHandle) 
             assert look() == told, records
     finally:
         storing.engine.dispose()
+
+
+def _read(store: Engine, service: Service, run: RunHandle) -> tuple[list[tuple[int, int]], list[str]]:
+    """One look of ``service``'s judge: the (attempt, rank) of the step records it took, and the
+    statements that read step records from the store."""
+    sent: list[str] = []
+
+    def note(*args: object) -> None:
+        if str(args[2]).lstrip().startswith("SELECT step_records.id"):
+            sent.append(str(args[2]))
+
+    sa.event.listen(store, "before_cursor_execute", note)
+    try:
+        with store.connect() as connection:
+            arrived = service.arrivals.read(connection, run.id)
+    finally:
+        sa.event.remove(store, "before_cursor_execute", note)
+    return [(row["attempt"], row["rank"]) for row in arrived.new_rows.get("step", [])], sent
+
+
+def _each(attempts: range) -> list[tuple[int, int]]:
+    return [(attempt, rank) for attempt in attempts for rank in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_judge_takes_its_own_replicas_rows_from_memory_and_reads_the_rest(
+    store: Engine, run: RunHandle
+) -> None:
+    """The rows the judging replica stored itself are handed over, not read back; with another
+    replica's batch among them, the look reads them all from the store; with one after them,
+    it reads only that one. Every record once, in the order stored."""
+    own, other = replica(store, "own"), replica(store, "other")
+    own.take_over(run.id)
+    try:
+        post(own, run, spiky_windows(range(1, 4)))
+        post(own, run, spiky_windows(range(4, 6)))
+        assert _read(store, own, run) == (_each(range(1, 6)), [])
+
+        post(own, run, spiky_windows(range(6, 8)))
+        post(other, run, spiky_windows(range(8, 10)))
+        post(own, run, spiky_windows(range(10, 12)))
+        taken, reads = _read(store, own, run)
+        assert taken == _each(range(6, 12)) and len(reads) == 1
+
+        post(own, run, spiky_windows(range(12, 14)))
+        post(other, run, spiky_windows(range(14, 16)))
+        taken, reads = _read(store, own, run)
+        assert taken == _each(range(12, 16)) and len(reads) == 1
+
+        assert _read(store, own, run) == ([], [])
+        # Rows handed after a look already read them from the store (committed, then read,
+        # then handed) are not taken again.
+        stale = [{"incarnation": INCARNATION, "attempt": 3, "rank": 0}]
+        own.arrivals.written(run.id, "step", stale, own.arrivals.step_mark(run.id) or 0)
+        assert _read(store, own, run) == ([], [])
+    finally:
+        for service in (own, other):
+            service.engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_rows_taken_from_memory_are_judged_as_rows_read_from_the_store(store: Engine, run: RunHandle) -> None:
+    """The same spiky windows, stored by the judge itself in one run and by another replica in
+    a second: the same windows judged and the same findings."""
+    judge, other = replica(store, "judge"), replica(store, "other")
+    second = make_run(store, "run-b")
+    try:
+        for handle in (run, second):
+            judge.take_over(handle.id)
+        for start in range(1, 25, 4):
+            post(judge, run, spiky_windows(range(start, start + 4), spike=13))
+            post(other, second, spiky_windows(range(start, start + 4), spike=13))
+            for handle in (run, second):
+                judge.judge_arrivals(handle.id)
+        with store.connect() as connection:
+            found = {
+                handle.id: sorted(
+                    connection.execute(
+                        sa.select(FINDING.c.attempt, FINDING.c.rank, FINDING.c.kind).where(
+                            FINDING.c.run_id == handle.id
+                        )
+                    ).all()
+                )
+                for handle in (run, second)
+            }
+            windows = dict(
+                connection.execute(
+                    sa.select(SUMMARY.c.run_id, sa.func.count())
+                    .where(SUMMARY.c.judged.is_(True))
+                    .group_by(SUMMARY.c.run_id)
+                ).all()
+            )
+        assert found[run.id] and found[run.id] == found[second.id]
+        assert windows[run.id] == windows[second.id] > 18
+        assert judge.arrivals.step_mark(run.id) is not None
+    finally:
+        for service in (judge, other):
+            service.engine.dispose()

@@ -112,6 +112,9 @@ class IngestResult:
     """The positions, in the batch, of the records counted in ``accepted`` (in no order)."""
     duplicate_at: list[int] = field(default_factory=list)
     """The positions of the records counted in ``duplicates``."""
+    newest_id: dict[str, int] = field(default_factory=dict)
+    """Of each kind written by ``COPY`` (PostgreSQL), the id of the newest row stored: a judging
+    replica takes ``new_rows`` up to it from memory (``monitor.judge.arrivals``)."""
 
     def as_json(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "duplicates": self.duplicates, "by_kind": self.by_kind}
@@ -281,7 +284,10 @@ def _ingest_keyed(
         fresh[key] = (index, row)
     rows = [row for _, row in fresh.values()]
     if copy and spec.copied:
-        not_inserted = postgres_copy.insert_new(connection, spec.table, rows, inline_rows)
+        moved = postgres_copy.insert_new(connection, spec.table, rows, inline_rows)
+        not_inserted = moved.not_inserted
+        if moved.newest_id is not None:
+            result.newest_id[kind] = max(moved.newest_id, result.newest_id.get(kind, 0))
     else:
         not_inserted = _insert_new_rows(connection, spec, run_id, rows)
     indexes = [index for index, _ in fresh.values()]

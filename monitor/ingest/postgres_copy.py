@@ -79,17 +79,30 @@ stream saves, so a large batch still goes by ``COPY``. The hook's one rank a pos
 a few records of each kind."""
 
 
+@dataclass(frozen=True)
+class Moved:
+    """What ``insert_new`` did with a batch's rows of one table."""
+
+    not_inserted: dict[int, str | None]
+    """For each row that was not inserted (by its position in the rows passed), the content
+    hash stored under its key (``None`` if that row went away meanwhile), and for each row
+    whose key without its time is stored at another time (a time-partitioned table,
+    ``models.partition_free_key``), that row's hash; empty when all went in and none was
+    stored at another time."""
+    newest_id: int | None = None
+    """The id of the newest row inserted (``None`` if none was): with the run's write lock
+    held, every row of the run up to it is either this batch's or was committed before it
+    (``monitor.judge.arrivals`` hands a judging replica its own rows without reading them)."""
+
+
 def insert_new(
     connection: Connection, table: sa.Table, rows: Sequence[dict[str, Any]], inline_rows: int = INLINE_ROWS
-) -> dict[int, str | None]:
-    """Insert the rows whose unique key is not stored yet. Returns, for each row that was not
-    inserted (by its position in ``rows``), the content hash stored under its key (``None`` if
-    that row went away meanwhile), and for each row whose key without its time is stored at
-    another time (a time-partitioned table, ``models.partition_free_key``), that row's hash;
-    empty when all went in and none was stored at another time. Up to ``inline_rows`` rows go
-    in as the statement's own arrays, more by ``COPY`` into the staging table."""
+) -> Moved:
+    """Insert the rows whose unique key is not stored yet (``Moved`` says which were not, and
+    the newest id inserted). Up to ``inline_rows`` rows go in as the statement's own arrays,
+    more by ``COPY`` into the staging table."""
     if not rows:
-        return {}
+        return Moved({})
     stage = _stage_of(table)
     inline = len(rows) <= inline_rows
     # Inline, the rows are both statements' parameters: the second (only when some key was
@@ -99,9 +112,16 @@ def insert_new(
     if not inline:
         _staged(connection, stage, rows)
     move, stored = _keyed_statements(table, inline)
-    answered = prepared.execute(connection, move, arrays).all()
+    # The one row without a position is the newest id inserted (the move's last part).
+    newest: int | None = None
+    answered: list[tuple[int, str | None]] = []
+    for position, value in prepared.execute(connection, move, arrays):
+        if position is not None:
+            answered.append((position, value))
+        elif value is not None:
+            newest = int(value)
     if not answered:
-        return {}
+        return Moved({}, newest)
     missing = [position for position, other_time_hash in answered if other_time_hash is None]
     found = (
         {p: stored_hash for p, stored_hash in prepared.execute(connection, stored, (*arrays, missing))}
@@ -111,7 +131,7 @@ def insert_new(
     # A key stored at another time is answered as that record: its content differs (the time
     # is content), so the caller refuses it as SQLite's unique key on the key alone would.
     elsewhere = {position: other for position, other in answered if other is not None}
-    return {position: found.get(position) for position in missing} | elsewhere
+    return Moved({position: found.get(position) for position in missing} | elsewhere, newest)
 
 
 def upsert_newer(
@@ -227,7 +247,7 @@ def _keyed_statements(table: sa.Table, inline: bool = False) -> tuple[str, str]:
     inserted = " AND ".join(f"i.{name} = s.{name}" for name in keys)
     move = (
         f"WITH {staged}inserted AS (INSERT INTO {table.name} ({names}) SELECT {names} FROM {source} "
-        f"ON CONFLICT ({', '.join(keys)}) DO NOTHING RETURNING {', '.join(keys)}) "
+        f"ON CONFLICT ({', '.join(keys)}) DO NOTHING RETURNING id, {', '.join(keys)}) "
         f"SELECT s.{ORDINAL}, NULL::text FROM {source} s "
         f"WHERE NOT EXISTS (SELECT FROM inserted i WHERE {inserted})"
     )
@@ -242,6 +262,8 @@ def _keyed_statements(table: sa.Table, inline: bool = False) -> tuple[str, str]:
             f" UNION ALL SELECT s.{ORDINAL}, t.content_hash FROM {source} s "
             f"JOIN {table.name} t ON {same} AND t.{models.PARTITION_COLUMN} <> s.{models.PARTITION_COLUMN}"
         )
+    # And always one row without a position: the newest id inserted (NULL if none was).
+    move += " UNION ALL SELECT NULL::integer, max(id)::text FROM inserted"
     # A statement of its own, so a row another transaction committed meanwhile is seen.
     same_key = " AND ".join(f"t.{name} = s.{name}" for name in keys)
     stored = (
