@@ -221,3 +221,29 @@ def test_rows_taken_from_memory_are_judged_as_rows_read_from_the_store(store: En
     finally:
         for service in (judge, other):
             service.engine.dispose()
+
+
+@both_backends
+def test_a_window_waits_for_its_records_stored_after_the_judges_look(store: Engine, run: RunHandle) -> None:
+    """The judge read window 5's first rank; the second rank's record (and two later windows,
+    so the summaries say window 5 is whole) were stored before it judged. The window waits for
+    the next look and is judged with both ranks, none of them late; windows not read at all
+    wait too."""
+    judge, other = replica(store, "judge"), replica(store, "other")
+    try:
+        judge.take_over(run.id)
+        windows = spiky_windows(range(1, 8))
+        post(judge, run, windows[:9])  # windows 1-4, and window 5's rank 0
+        with store.connect() as connection:
+            arrived = judge.arrivals.read(connection, run.id)
+        post(other, run, windows[9:])  # window 5's rank 1, windows 6 and 7
+        judge.judge(run.id, arrived.new_rows, arrived.late)
+        assert judged(store) == 4
+        with store.connect() as connection:
+            arrived = judge.arrivals.read(connection, run.id)
+        assert arrived.late == []
+        judge.judge(run.id, arrived.new_rows, arrived.late)
+        assert judged(store) == 7  # windows 6 and 7 too: every rank of them read
+    finally:
+        for service in (judge, other):
+            service.engine.dispose()

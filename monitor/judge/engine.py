@@ -53,6 +53,17 @@ _WINDOW_ROWS = sa.select(*[STEP.c[name] for name in RANK_FIELDS]).where(*_IN_WIN
 _WINDOW_ROWS_UNDER = _WINDOW_ROWS.where(_UNDER)
 _WINDOW_COUNT = sa.select(sa.func.count()).select_from(STEP).where(*_IN_WINDOW)
 _WINDOW_COUNT_UNDER = _WINDOW_COUNT.where(_UNDER)
+# Of several windows of one incarnation, the records up to a replica's judge's mark, by attempt.
+_COUNTS_UNDER = (
+    sa.select(STEP.c.attempt, sa.func.count())
+    .where(
+        STEP.c.run_id == sa.bindparam("run_id"),
+        STEP.c.incarnation == sa.bindparam("incarnation"),
+        STEP.c.attempt.in_(sa.bindparam("attempts", expanding=True)),
+        _UNDER,
+    )
+    .group_by(STEP.c.attempt)
+)
 
 
 class _JudgedElsewhere(Exception):
@@ -333,6 +344,44 @@ class PolicyEngine:
         ):
             kept -= len(state.judged_rows.popitem(last=False)[1])
 
+    def _records_read(
+        self,
+        connection: Connection,
+        run_id: int,
+        state: _RunState,
+        incarnation: str,
+        summaries: list[dict[str, Any]],
+    ) -> dict[int, int]:
+        """Of each window's records, how many a replica's judge has read (by attempt): a
+        window's summary also counts those stored since the judge's last look, and the window
+        judged now would miss them, then read and judge them again as late. All of them when its
+        looks brought them all; else the store's count up to the judge's mark (records stored
+        before it took the run over, or of a window no longer kept, were never brought), one
+        statement for the incarnation. A window that waits for the rest is still released by the
+        watermark, as for a rank that never reports."""
+        read: dict[int, int] = {}
+        unsure: list[int] = []
+        for summary in summaries:
+            noted = state.pending.get((incarnation, summary["attempt"]))
+            if noted is not None and len(noted) >= summary["ranks_reported"]:
+                read[summary["attempt"]] = int(summary["ranks_reported"])
+            else:
+                unsure.append(summary["attempt"])
+        if unsure:
+            counted: dict[int, int] = dict(
+                connection.execute(
+                    _COUNTS_UNDER,
+                    {
+                        "run_id": run_id,
+                        "incarnation": incarnation,
+                        "attempts": unsure,
+                        "ceiling": self.step_ceiling(run_id),
+                    },
+                ).all()
+            )
+            read.update({attempt: int(counted.get(attempt, 0)) for attempt in unsure})
+        return read
+
     def _window_count(self, connection: Connection, run_id: int, incarnation: str, attempt: int) -> int:
         query, params = self._in_window(run_id, incarnation, attempt, _WINDOW_COUNT, _WINDOW_COUNT_UNDER)
         return int(connection.execute(query, params).scalar_one())
@@ -386,8 +435,21 @@ class PolicyEngine:
         seen_now = self._clock()
         for summary in by_incarnation[order[-1]]:
             state.arrived.setdefault((order[-1], summary["attempt"]), seen_now)
+        # A replica's judge judges a window with the records it has read, which can be fewer
+        # than its summary counts (stored by any replica since its last look): judged now, the
+        # window would miss them, read them back, and judge them again as late.
+        replica = self.step_ceiling(run_id) is not None
         groups = [
-            self._waiting(state, incarnation, by_incarnation[incarnation], seen_now) for incarnation in order
+            self._waiting(
+                state,
+                incarnation,
+                by_incarnation[incarnation],
+                seen_now,
+                self._records_read(connection, run_id, state, incarnation, by_incarnation[incarnation])
+                if replica
+                else None,
+            )
+            for incarnation in order
         ]
         by_key = {(s["incarnation"], s["attempt"]): s for s in pending}
         ready = [
@@ -399,12 +461,19 @@ class PolicyEngine:
         return ready
 
     def _waiting(
-        self, state: _RunState, incarnation: str, summaries: list[dict[str, Any]], seen_now: float
+        self,
+        state: _RunState,
+        incarnation: str,
+        summaries: list[dict[str, Any]],
+        seen_now: float,
+        read: dict[int, int] | None = None,
     ) -> IncarnationWindows:
+        """The incarnation's unjudged windows as the readiness rules take them; ``read``: of
+        each, the records a replica's judge can judge it with (``_records_read``)."""
         windows = [
             PendingWindow(
                 attempt=s["attempt"],
-                ranks_reported=s["ranks_reported"],
+                ranks_reported=s["ranks_reported"] if read is None else read[s["attempt"]],
                 last_time=s["last_time"],
                 first_seen=state.arrived.get((incarnation, s["attempt"]), seen_now),
             )
