@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from monitor.config import ServiceConfig
+from monitor.judge import arrivals as arrivals_module
 from monitor.judge.arrivals import Arrivals
 from monitor.service import Service
 from monitor.store import models
@@ -149,7 +150,7 @@ def _each(attempts: range) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("backend", ["postgres"])
 def test_a_judge_takes_its_own_replicas_rows_from_memory_and_reads_the_rest(
-    store: Engine, run: RunHandle
+    store: Engine, run: RunHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rows the judging replica stored itself are handed over, not read back; with another
     replica's batch among them, the look reads them all from the store; with one after them,
@@ -173,6 +174,14 @@ def test_a_judge_takes_its_own_replicas_rows_from_memory_and_reads_the_rest(
         assert taken == _each(range(12, 16)) and len(reads) == 1
 
         assert _read(store, own, run) == ([], [])
+        # A judge behind by more than it keeps in memory: the rows handed are dropped, and
+        # the look reads them (and those handed after) from the store.
+        monkeypatch.setattr(arrivals_module, "MAX_HANDED_ROWS", 6)
+        post(own, run, spiky_windows(range(16, 18)))
+        post(own, run, spiky_windows(range(18, 20)))  # past 6: both dropped
+        post(own, run, spiky_windows(range(20, 21)))
+        taken, reads = _read(store, own, run)
+        assert taken == _each(range(16, 21)) and len(reads) == 1
         # Rows handed after a look already read them from the store (committed, then read,
         # then handed) are not taken again.
         stale = [{"incarnation": INCARNATION, "attempt": 3, "rank": 0}]

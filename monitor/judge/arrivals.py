@@ -52,6 +52,11 @@ TABLES: Mapping[str, sa.Table] = {
 # The kinds whose stored rows a judge takes from its own replica's writes (the engine and the
 # device rules read them as a batch's new rows on a single service, without ids).
 HANDED = ("step", "device_sample", "link_sample")
+MAX_HANDED_ROWS = 65_536
+"""The most rows a run's judge keeps handed between two looks: four seconds of 16,384 ranks at
+one step a second, about 60 MB (a step record's row is 0.9 KB of dicts and values, measured
+with tracemalloc). Past it the judge is behind, and the rows wait in the store, not in this
+process's memory, for the look that reads them from there."""
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Arrivals:
     def __init__(self) -> None:
         self._marks: dict[int, _Marks] = {}
         self._written: dict[int, dict[str, list[_Written]]] = {}
+        self._handed_rows: dict[int, int] = {}  # of each run, the rows in ``_written``
         self._written_lock = threading.Lock()  # ingest threads hand rows; the judge takes them
 
     def written(self, run_id: int, kind: str, rows: Sequence[dict[str, Any]], newest: int) -> None:
@@ -99,12 +105,19 @@ class Arrivals:
         with self._written_lock:
             if run_id not in self._marks:
                 return  # a run another replica judges: its judge reads the store
+            handed = self._handed_rows.get(run_id, 0) + len(rows)
+            if handed > MAX_HANDED_ROWS:  # the next look reads them all from the store
+                self._written.pop(run_id, None)
+                self._handed_rows.pop(run_id, None)
+                return
+            self._handed_rows[run_id] = handed
             self._written.setdefault(run_id, {}).setdefault(kind, []).append(_Written(newest, rows))
 
     def _take_written(self, run_id: int, marks: _Marks) -> dict[str, _Written]:
         """The rows handed since the last look, of each kind past its mark, as one."""
         with self._written_lock:
             written = self._written.pop(run_id, {})
+            self._handed_rows.pop(run_id, None)
         taken = {}
         for kind, batches in written.items():
             # A batch is committed whole: one at or below the mark was read from the store.
@@ -136,6 +149,7 @@ class Arrivals:
         with self._written_lock:
             self._marks.pop(run_id, None)
             self._written.pop(run_id, None)
+            self._handed_rows.pop(run_id, None)
 
     def read(self, connection: Connection, run_id: int) -> Arrived:
         """The rows stored since the last read (``begin`` first), and which step records of
