@@ -216,32 +216,41 @@ class Service:
     def _write(
         self, run_id: int, records: Sequence[Any], asked: Asked | None
     ) -> tuple[IngestResult, Pending, list[dict[str, Any]]]:
-        """Store one batch (``records`` may be a group's, merged) in its own transaction, the
-        write lock held: what it stored, its directives answer on a replica, and the step
-        records that reached windows already judged."""
-        pending: Pending = {}
+        """Store one batch in its own transaction, the write lock held: what it stored, its
+        directives answer on a replica, and the step records that reached windows already
+        judged."""
         try:
-            with self.engine.begin() as connection:
-                lock_run_writes(connection, run_id)  # another replica may be writing this run
-                result = ingest_batch(
-                    connection,
-                    run_id,
-                    records,
-                    self.clock(),
-                    copy=self.config.ingest.copy_on_postgresql,
-                    inline_rows=self.config.ingest.inline_rows,
-                    world_sizes=self._world_sizes,
-                )
-                late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
-                if self.leases is not None:
-                    # A replica judges apart from its posts: nothing between this write and
-                    # the answer adds a directive, so the answer is read in the batch's own
-                    # transaction (a connection and two round trips fewer than a read after).
-                    pending = _pending(connection, run_id, asked)
+            # A replica judges apart from its posts: nothing between this write and the answer
+            # adds a directive, so the answer is read in the batch's own transaction (a
+            # connection and two round trips fewer than a read after).
+            result, pendings, late = self._store(
+                run_id, records, [asked if self.leases is not None else None]
+            )
         except sa.exc.OperationalError as exc:  # read-only, full, locked past its timeout
             raise StoreUnavailable(f"the store cannot take the batch: {exc.orig}") from exc
+        return result, pendings[0], late
+
+    def _store(
+        self, run_id: int, records: Sequence[Any], questions: Sequence[Asked | None]
+    ) -> tuple[IngestResult, list[Pending], list[dict[str, Any]]]:
+        """``records`` (one batch, or a group's merged) in one transaction: what it stored, each
+        question's directives answer, and the step records that reached windows already
+        judged; then its new rows to this replica's judge."""
+        with self.engine.begin() as connection:
+            lock_run_writes(connection, run_id)  # another replica may be writing this run
+            result = ingest_batch(
+                connection,
+                run_id,
+                records,
+                self.clock(),
+                copy=self.config.ingest.copy_on_postgresql,
+                inline_rows=self.config.ingest.inline_rows,
+                world_sizes=self._world_sizes,
+            )
+            late = fold_new_steps(connection, run_id, result.new_rows.get("step", []))
+            pendings = _pending_for_group(connection, run_id, questions)
         self._hand_to_judge(run_id, result)
-        return result, pending, late
+        return result, pendings, late
 
     def _ingest_grouped(self, entry: Waiting) -> tuple[IngestResult, Pending]:
         """Queue the batch; whichever thread takes the write lock next writes it with every
@@ -280,20 +289,9 @@ class Service:
         """The group as one batch in one transaction; raises whatever stops it (the caller
         then writes each batch alone, and each gets its own answer or error)."""
         first = group[0]
-        with self.engine.begin() as connection:
-            lock_run_writes(connection, first.run_id)
-            result = ingest_batch(
-                connection,
-                first.run_id,
-                group_commit.merged(group),
-                self.clock(),
-                copy=self.config.ingest.copy_on_postgresql,
-                inline_rows=self.config.ingest.inline_rows,
-                world_sizes=self._world_sizes,
-            )
-            late = fold_new_steps(connection, first.run_id, result.new_rows.get("step", []))
-            pendings = _pending_for_group(connection, first.run_id, [entry.asked for entry in group])
-        self._hand_to_judge(first.run_id, result)
+        result, pendings, late = self._store(
+            first.run_id, group_commit.merged(group), [entry.asked for entry in group]
+        )
         self.count(first.run, "late", len(late))
         self.count(first.run, "grouped_batches", len(group))
         for entry, answer, pending in zip(group, group_commit.split(result, group), pendings, strict=True):
