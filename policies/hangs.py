@@ -10,7 +10,7 @@ by the hold's own timeout.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from policies.types import Finding, Severity
@@ -83,6 +83,8 @@ class Beat:
     phase: str
     phase_since: float
     received_at: float
+    attempt: int | None = None
+    """The window the rank was in or last began (the hook's attempt count)."""
 
 
 @dataclass(frozen=True)
@@ -124,17 +126,19 @@ def hang_finding(
     config: HangConfig,
     stated_heartbeat_s: float | None = None,
     started_at: float | None = None,
+    moved_on: Collection[int] = (),
 ) -> Finding | None:
     """One finding naming every stuck and every missing rank, or ``None`` when all move.
 
     A rank never heard from is missing only once the incarnation is older than the timeout:
-    ranks start seconds apart, and start-up is as slow as it is allowed to be.
+    ranks start seconds apart, and start-up is as slow as it is allowed to be. A rank in
+    ``moved_on`` is not stuck whatever its newest heartbeat says: the caller found one of its
+    windows that ended after that heartbeat's phase began (``stuck_beats``' ranks are the ones
+    worth asking about).
     """
     silence = config.silence_s(stated_heartbeat_s)
     stuck = [
-        b
-        for b in beats
-        if now - b.received_at <= silence and now - b.phase_since > timeouts.of(b.phase) and b.phase != HELD
+        b for b in stuck_beats(beats, now, timeouts, config, stated_heartbeat_s) if b.rank not in moved_on
     ]
     timeout = max((timeouts.of(b.phase) for b in stuck), default=timeouts.between)
     silent = [b for b in beats if now - b.received_at > silence]
@@ -180,6 +184,27 @@ def hang_finding(
             "wants": "stack_dumps",
         },
     )
+
+
+def stuck_beats(
+    beats: Sequence[Beat],
+    now: float,
+    timeouts: PhaseTimeouts,
+    config: HangConfig,
+    stated_heartbeat_s: float | None = None,
+) -> list[Beat]:
+    """The heartbeats that say their rank has been in one phase past its timeout (and are
+    recent enough to say anything). Such a beat can be older than the rank's windows: a first
+    step that compiles the model for 30 s sends heartbeats "in forward since T"; the windows
+    it then trains in a second arrive together, the timeouts learned from them are short, and
+    the beat still says forward until the next one comes. The caller checks these ranks'
+    windows (``hang_finding``'s ``moved_on``)."""
+    silence = config.silence_s(stated_heartbeat_s)
+    return [
+        b
+        for b in beats
+        if now - b.received_at <= silence and now - b.phase_since > timeouts.of(b.phase) and b.phase != HELD
+    ]
 
 
 def _suspects(beats: Sequence[Beat], stuck: Sequence[Beat], silent: Sequence[Beat]) -> list[int]:

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts
+from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts, stuck_beats
 
 CONFIG = HangConfig(min_timeout_s=10.0, heartbeat_interval_s=1.0, min_silence_s=0.0)
 TEN = PhaseTimeouts(10.0, 10.0, 10.0)
@@ -118,3 +118,13 @@ def test_a_rank_not_yet_heard_at_start_up_is_not_missing_until_the_timeout() -> 
     )
     late = hang_finding(beats, 3, now=100.0, timeouts=TEN, incarnation="i", config=CONFIG, started_at=85.0)
     assert late is not None and [m["rank"] for m in late.evidence["missing"]] == [2]
+
+
+def test_a_rank_that_moved_on_since_its_newest_beat_is_not_stuck_but_the_others_still_are() -> None:
+    """``stuck_beats`` names the beats past their timeout; a rank the caller found a newer
+    window of (``moved_on``) drops out of the finding, the rest stay in it."""
+    beats = [beat(0, since=80.0), beat(1, since=80.0), beat(2)]
+    assert [b.rank for b in stuck_beats(beats, 100.0, TEN, CONFIG)] == [0, 1]
+    finding = hang_finding(beats, 3, 100.0, TEN, "i", CONFIG, moved_on=[0])
+    assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [1]
+    assert hang_finding(beats, 3, 100.0, TEN, "i", CONFIG, moved_on=[0, 1]) is None

@@ -311,3 +311,30 @@ def test_a_pause_as_long_as_one_the_run_already_had_is_not_a_hang(
     post(service, run, [beat(r, "data", times[-1], clock.now - 1, step=399) for r in range(2)])
     service.hangs.check()
     assert [i["kind"] for i in incidents(store, run)] == (["hang"] if hung else [])
+
+
+@pytest.mark.parametrize("windows_ended_after_the_beat", [True, False])
+def test_a_first_step_that_compiled_for_30_s_is_no_hang_once_its_windows_arrive(
+    store: Engine, run: RunHandle, windows_ended_after_the_beat: bool
+) -> None:
+    """A ``torch.compile`` model's first forward compiles for 30 s: the heartbeats say "in
+    forward since T, step 0". Then 60 windows of 10 ms arrive at once; the timeouts learned
+    from them are the 9 s floor, and the newest heartbeat (sent before they were trained)
+    still says forward since T. Seen on a real compiled trainer: a critical hang after the
+    run had trained past it. The windows that ended after the beat's phase began say the rank
+    left it. The control: the same heartbeat after windows that all ended before its phase
+    began (a rank really stuck in forward for 30 s) is a hang."""
+    clock = Clock()
+    service = Service(store, ServiceConfig(admin_token=ADMIN_TOKEN), clock=clock)
+    compiled_from = 1000.0
+    first = compiled_from + 29.0 if windows_ended_after_the_beat else compiled_from - 100.0
+    records = [step_record(0, w, time=first + 0.01 * w) for w in range(1, 61)]
+    step, attempt = (0, 1) if windows_ended_after_the_beat else (60, 61)
+    clock.now = compiled_from + 30.5
+    stale = {**beat(0, "forward", compiled_from, compiled_from + 27.0, step=step), "attempt": attempt}
+    post(service, run, [start(1), stale, *records])
+    service.hangs.check()
+    found = incidents(store, run)
+    assert [i["kind"] for i in found] == ([] if windows_ended_after_the_beat else ["hang"]), found
+    if found:
+        assert "timeout 9 s" in found[0]["summary"] and "rank 0 in forward for 30 s" in found[0]["summary"]

@@ -20,11 +20,12 @@ from sqlalchemy.engine import Connection, Engine
 from monitor.judge.incidents import IncidentRecorder, close_incident
 from monitor.recovery import directives
 from monitor.store import hook_settings, models
-from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts
+from policies.hangs import Beat, HangConfig, PhaseTimeouts, hang_finding, learned_timeouts, stuck_beats
 
 HEARTBEAT = models.table_of(models.Heartbeat)
 INCARNATION = models.table_of(models.Incarnation)
 SUMMARY = models.table_of(models.StepSummary)
+STEP = models.table_of(models.StepRecord)
 INCIDENT = models.table_of(models.Incident)
 
 # Incarnations whose newest heartbeat is older than this are abandoned, not hung.
@@ -98,7 +99,7 @@ class HangWatch:
 
     def _check(self, connection: Connection, run_id: int, incarnation: str, now: float) -> list[int]:
         beats = [
-            Beat(r.rank, r.node, r.step, r.phase, r.phase_since, r.received_at)
+            Beat(r.rank, r.node, r.step, r.phase, r.phase_since, r.received_at, r.attempt)
             for r in connection.execute(
                 sa.select(HEARTBEAT).where(
                     HEARTBEAT.c.run_id == run_id, HEARTBEAT.c.incarnation == incarnation
@@ -113,15 +114,14 @@ class HangWatch:
         world, config, started_at = (
             (facts.world_size, facts.config, facts.started_at) if facts else (None, None, None)
         )
+        timeouts = self._timeouts(connection, run_id, incarnation)
+        stated = hook_settings.stated(config, "heartbeat_s")
+        candidates = stuck_beats(beats, now, timeouts, self._config, stated)
+        moved_on = [
+            b.rank for b in candidates if self._window_ended_since(connection, run_id, incarnation, b)
+        ]
         finding = hang_finding(
-            beats,
-            world,
-            now,
-            self._timeouts(connection, run_id, incarnation),
-            incarnation,
-            self._config,
-            hook_settings.stated(config, "heartbeat_s"),
-            started_at,
+            beats, world, now, timeouts, incarnation, self._config, stated, started_at, moved_on
         )
         key = (run_id, incarnation)
         if finding is None:
@@ -151,6 +151,20 @@ class HangWatch:
                     incident_id=incident_id,
                 )
         return touched
+
+    def _window_ended_since(self, connection: Connection, run_id: int, incarnation: str, beat: Beat) -> bool:
+        """Whether the rank stored a window that ended after its heartbeat's phase began (both
+        times on the rank's clock): then it left that phase, whatever the heartbeat says. Asked
+        only of beats past their timeout, through the window index (a window ending after the
+        phase began is the beat's own attempt or a later one)."""
+        later = sa.select(STEP.c.id).where(
+            STEP.c.run_id == run_id,
+            STEP.c.incarnation == incarnation,
+            STEP.c.attempt >= (beat.attempt or 0),
+            STEP.c.rank == beat.rank,
+            STEP.c.time > beat.phase_since,
+        )
+        return connection.execute(later.limit(1)).first() is not None
 
     def _timeouts(self, connection: Connection, run_id: int, incarnation: str) -> PhaseTimeouts:
         times = (
