@@ -47,6 +47,7 @@ from collectors.accounting import WindowAccounting
 from collectors.agent import DirectiveAgent
 from collectors.checkpoint_events import CheckpointEvents
 from collectors.collectives import collectives_for
+from collectors.compiles import CompileWatch
 from collectors.config import RunHealthConfig
 from collectors.counters import Counters
 from collectors.directives import Consensus
@@ -123,6 +124,7 @@ class RunHealth:
         self._run_config = dict(run_config or {})
         self._samplers = list(samplers)
         self._readers: Readers | None = None
+        self._compiles: CompileWatch | None = None
         self._reader_state: dict[str, str] = {}
         self._transport = transport
         self._started = self._closed = False
@@ -225,6 +227,7 @@ class RunHealth:
         fields = records.step_identity(self.identity, ids.incarnation)
         dp_size = self.identity.layout.dp.size
         self._windows.attached(torch, self._device, self._sender, ring, phases, fields, dp_size)
+        self._compiles = CompileWatch(phases)
 
     def _after_attach(self) -> None:
         self._sender.start()
@@ -237,6 +240,8 @@ class RunHealth:
         for sampler in self._samplers:
             self._start_sampler(sampler)
         self._describe_readers()
+        if self._compiles is not None:
+            self._compiles.install_if_loaded()
 
     def close(self, status: Literal["completed", "failed", "stopped"] = "completed") -> None:
         """Record what is left, flush (bounded), stop samplers and the embedded service."""
@@ -279,6 +284,8 @@ class RunHealth:
             self._stop_sampler(sampler)
         for handle in windows.handles:
             handle.remove()
+        if self._compiles is not None:
+            self._compiles.remove()
         self._agent.close()
         if not self._sender.close():
             log.warning(
@@ -419,6 +426,8 @@ class RunHealth:
         """Each sender cycle, before its batches: windows whose values arrived join the queue,
         and directives are asked for when due."""
         self._windows.phases.resync()
+        if self._compiles is not None:
+            self._compiles.install_if_loaded()  # a model compiled after attach
         self._windows.drain_ready()
         self._agent.poll_if_due()
         service = self._destination.service if self._destination is not None else None

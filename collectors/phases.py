@@ -26,6 +26,7 @@ class Phase(enum.StrEnum):
     OPTIMIZER = "optimizer"  # clipping, the optimizer step, the scheduler
     HELD = "held"  # paused by a hold directive between windows, until it is released
     SAVING = "saving"  # a checkpoint save the trainer declared, until ``checkpoint_saved``
+    COMPILING = "compiling"  # torch.compile at work on the training thread (``compiles.py``)
     CLOSED = "closed"
 
 

@@ -17,6 +17,7 @@ from policies.types import Finding, Severity
 
 HELD = "held"  # the hook's phase while a hold directive pauses the rank (collectors.phases)
 SAVING = "saving"  # a checkpoint save the trainer declared (``rh.checkpoint_saving()``)
+COMPILING = "compiling"  # torch.compile at work on the training thread (``collectors.compiles``)
 TRAINING = ("forward", "backward", "optimizer")
 
 
@@ -38,6 +39,9 @@ class HangConfig:
     - a save the trainer declared (``rh.checkpoint_saving()``, until ``checkpoint_saved``):
       ``saving_floor_s`` (30 minutes: a multi-terabyte checkpoint to a parallel file system),
       or ``pause_factor`` x the longest window if that is longer.
+    - a compilation (``torch.compile``'s first forward, a recompilation; the hook's heartbeats
+      say ``compiling``): as a declared save. A large model's compile with autotuning takes
+      many minutes, on the first step or in the middle of a run at a new shape.
     - until the run has 5 windows, the floors only (``min_timeout_s`` for every phase).
     - a rank is missing when its newest heartbeat is older than ``silence_intervals`` x the
       heartbeat interval (3: one lost or late heartbeat is not silence), and never before
@@ -98,7 +102,7 @@ class PhaseTimeouts:
     def of(self, phase: str) -> float:
         if phase in TRAINING:
             return self.training
-        return self.saving if phase == SAVING else self.between
+        return self.saving if phase in (SAVING, COMPILING) else self.between
 
 
 def learned_timeouts(

@@ -383,6 +383,49 @@ def test_a_declared_save_is_its_own_phase_in_the_heartbeats_and_not_in_the_windo
     assert len(transport.records("step")) == 2 and rh.counters["hook_errors"] == 0
 
 
+def test_a_compiling_forward_is_its_own_phase_in_the_heartbeats_and_forward_again_after(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """A ``torch.compile`` model's first forward: while TorchDynamo compiles (a backend that
+    takes 0.4 s here, as inductor takes seconds to minutes), heartbeats say ``compiling`` (the
+    hang rule gives it a save's timeout, not the 9 s of a training phase); after it, ``forward``
+    again, timed from the compile's end. The window's forward time still includes it, and the
+    next forward (compiled already) has no compiling phase."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    seen: list[str] = []
+    states: list[Any] = []
+
+    def slow_backend(graph: Any, _inputs: Any) -> Any:
+        seen.append(rh._windows.phases.state.phase.value)
+        threading.Event().wait(0.4)
+        return graph.forward
+
+    model = TinyLM()
+    compiled = torch.compile(model, backend=slow_backend)
+    config = hook_config(tmp_path, heartbeat_interval_s=0.05)
+    with attach(tmp_path, transport, config=config, model=model) as rh:
+        for batch in rh.windows(batches(2)):
+            loss = lm_loss(compiled, batch["tokens"])
+            states.append(rh._windows.phases.state)
+            rh.loss(loss, tokens=32)
+        compiled_from = min(
+            b["phase_since"] for b in transport.records("heartbeat") if b["phase"] == "compiling"
+        )
+    torch._dynamo.reset()
+    beats = transport.records("heartbeat")
+    compiling = [b for b in beats if b["phase"] == "compiling"]
+    assert seen and set(seen) == {"compiling"} and compiling
+    assert {b["phase_since"] for b in compiling} == {compiled_from}
+    # Forward again once the compile ended, timed from its end (the state heartbeats read).
+    assert [s.phase for s in states] == [Phase.FORWARD, Phase.FORWARD]
+    assert rh._windows.phases.epoch(states[0].since) >= compiled_from + 0.35
+    first, second = transport.records("step")
+    assert first["forward_s"] >= 0.35 and second["forward_s"] < 0.35
+    assert rh.counters["hook_errors"] == 0 and not rh._compiles.installed  # removed at close
+
+
 def test_after_the_update_heartbeats_say_data_while_the_window_stays_open(
     tmp_path: Path, transport: RecordingTransport
 ) -> None:

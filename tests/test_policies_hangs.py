@@ -128,3 +128,15 @@ def test_a_rank_that_moved_on_since_its_newest_beat_is_not_stuck_but_the_others_
     finding = hang_finding(beats, 3, 100.0, TEN, "i", CONFIG, moved_on=[0])
     assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [1]
     assert hang_finding(beats, 3, 100.0, TEN, "i", CONFIG, moved_on=[0, 1]) is None
+
+
+def test_a_five_minute_compile_is_no_hang_but_a_forward_that_long_is() -> None:
+    """Heartbeats say ``compiling`` while ``torch.compile`` works (``collectors.compiles``): timed
+    as a declared save, not as the training phase it interrupted."""
+    timeouts = learned_timeouts([0.04] * 100, HangConfig())
+    assert timeouts.of("compiling") == timeouts.of("saving") == 1800.0
+    compiling = [beat(0, "compiling", since=-200.0), beat(1, "compiling", since=-200.0)]  # 300 s
+    assert hang_finding(compiling, 2, 100.0, timeouts, "i", HangConfig()) is None
+    forward = [beat(0, "forward", since=-200.0), beat(1, "compiling", since=-200.0)]
+    finding = hang_finding(forward, 2, 100.0, timeouts, "i", HangConfig())
+    assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
