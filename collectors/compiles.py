@@ -74,6 +74,9 @@ class CompileWatch:
                 except ValueError:  # cleared by someone else (``callback_handler.clear()``)
                     pass
 
+    # Both run inside TorchDynamo's compilation, on the training thread: a plain read and one
+    # reference assignment each, nothing that can raise into the trainer's compile.
+
     def _started(self, _args: Any) -> None:
         before = self._phases.current
         if before[0] is Phase.COMPILING:

@@ -5,13 +5,14 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Engine
 
+import monitor.judge.hangs
 from monitor.config import ServiceConfig
 from monitor.judge.config import EngineConfig
 from monitor.recovery.directives import pending_for
 from monitor.service import Service
 from monitor.store import queries
 from policies.hangs import HangConfig
-from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, post, step_record
+from tests.support import ADMIN_TOKEN, INCARNATION, RunHandle, both_backends, post, step_record
 
 OTHER = "00000000-0000-4000-8000-0000000000aa"
 
@@ -313,6 +314,7 @@ def test_a_pause_as_long_as_one_the_run_already_had_is_not_a_hang(
     assert [i["kind"] for i in incidents(store, run)] == (["hang"] if hung else [])
 
 
+@both_backends
 @pytest.mark.parametrize("windows_ended_after_the_beat", [True, False])
 def test_a_first_step_that_compiled_for_30_s_is_no_hang_once_its_windows_arrive(
     store: Engine, run: RunHandle, windows_ended_after_the_beat: bool
@@ -338,3 +340,26 @@ def test_a_first_step_that_compiled_for_30_s_is_no_hang_once_its_windows_arrive(
     assert [i["kind"] for i in found] == ([] if windows_ended_after_the_beat else ["hang"]), found
     if found:
         assert "timeout 9 s" in found[0]["summary"] and "rank 0 in forward for 30 s" in found[0]["summary"]
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_only_the_rank_whose_windows_stopped_is_stuck_listed_or_grouped(
+    store: Engine, run: RunHandle, monkeypatch: pytest.MonkeyPatch, listed: bool
+) -> None:
+    """Two ranks whose newest heartbeats both say forward for 30 s: rank 0 stored windows that
+    ended after that (it moved on), rank 1's all ended before (stuck). Read with the ranks
+    listed, and grouped over every rank (a hang of more ranks than ``MAX_LISTED_RANKS``)."""
+    if not listed:
+        monkeypatch.setattr(monitor.judge.hangs, "MAX_LISTED_RANKS", 0)
+    clock = Clock()
+    service = Service(store, ServiceConfig(admin_token=ADMIN_TOKEN), clock=clock)
+    since = 1000.0
+    ended = {0: since + 29.0, 1: since - 100.0}
+    records = [step_record(r, w, time=ended[r] + 0.01 * w) for w in range(1, 31) for r in (0, 1)]
+    clock.now = since + 30.5
+    beats = [{**beat(r, "forward", since, since + 27.0, step=0), "attempt": 1} for r in (0, 1)]
+    post(service, run, [start(2), *beats, *records])
+    service.hangs.check()
+    (incident,) = incidents(store, run)
+    summary = incident["summary"]
+    assert incident["kind"] == "hang" and "stuck: rank 1 in forward" in summary and "rank 0" not in summary

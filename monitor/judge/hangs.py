@@ -28,6 +28,10 @@ SUMMARY = models.table_of(models.StepSummary)
 STEP = models.table_of(models.StepRecord)
 INCIDENT = models.table_of(models.Incident)
 
+# The most stuck-looking ranks named in the moved-on read's ``IN``; past it the read groups
+# every rank's windows since the oldest beat's attempt.
+MAX_LISTED_RANKS = 1000
+
 # Incarnations whose newest heartbeat is older than this are abandoned, not hung.
 ABANDONED_AFTER_S = 24 * 3600.0
 
@@ -117,9 +121,7 @@ class HangWatch:
         timeouts = self._timeouts(connection, run_id, incarnation)
         stated = hook_settings.stated(config, "heartbeat_s")
         candidates = stuck_beats(beats, now, timeouts, self._config, stated)
-        moved_on = [
-            b.rank for b in candidates if self._window_ended_since(connection, run_id, incarnation, b)
-        ]
+        moved_on = self._moved_on(connection, run_id, incarnation, candidates)
         finding = hang_finding(
             beats, world, now, timeouts, incarnation, self._config, stated, started_at, moved_on
         )
@@ -152,19 +154,31 @@ class HangWatch:
                 )
         return touched
 
-    def _window_ended_since(self, connection: Connection, run_id: int, incarnation: str, beat: Beat) -> bool:
-        """Whether the rank stored a window that ended after its heartbeat's phase began (both
-        times on the rank's clock): then it left that phase, whatever the heartbeat says. Asked
-        only of beats past their timeout, through the window index (a window ending after the
-        phase began is the beat's own attempt or a later one)."""
-        later = sa.select(STEP.c.id).where(
-            STEP.c.run_id == run_id,
-            STEP.c.incarnation == incarnation,
-            STEP.c.attempt >= (beat.attempt or 0),
-            STEP.c.rank == beat.rank,
-            STEP.c.time > beat.phase_since,
+    def _moved_on(
+        self, connection: Connection, run_id: int, incarnation: str, candidates: list[Beat]
+    ) -> set[int]:
+        """The ranks among ``candidates`` (beats past their timeout) that stored a window ending
+        after their heartbeat's phase began (both times on the rank's clock): they left that
+        phase, whatever the heartbeat says. One grouped read through the window index, from the
+        oldest candidate's attempt on (a window ending after a phase began is the beat's own
+        attempt or a later one): in a real hang, where every rank waits in the same window,
+        it finds nothing at once."""
+        if not candidates:
+            return set()
+        ranks = {b.rank for b in candidates}
+        query = (
+            sa.select(STEP.c.rank, sa.func.max(STEP.c.time).label("ended"))
+            .where(
+                STEP.c.run_id == run_id,
+                STEP.c.incarnation == incarnation,
+                STEP.c.attempt >= min(b.attempt or 0 for b in candidates),
+            )
+            .group_by(STEP.c.rank)
         )
-        return connection.execute(later.limit(1)).first() is not None
+        if len(ranks) <= MAX_LISTED_RANKS:
+            query = query.where(STEP.c.rank.in_(sorted(ranks)))
+        ended = {row.rank: row.ended for row in connection.execute(query)}
+        return {b.rank for b in candidates if b.rank in ended and ended[b.rank] > b.phase_since}
 
     def _timeouts(self, connection: Connection, run_id: int, incarnation: str) -> PhaseTimeouts:
         times = (
