@@ -34,8 +34,8 @@ class CompileWatch:
 
     def __init__(self, phases: PhaseClock) -> None:
         self._phases = phases
-        self._handler: Any = None
-        self._removed = False
+        self._handler: Any = None  # torch's callback handler, once registered with it
+        self._settled = False  # removed at close, or this torch has no callbacks: never again
         self._before: tuple[Phase, float, Any] | None = None
         self._lock = threading.Lock()
 
@@ -45,16 +45,16 @@ class CompileWatch:
 
     def install_if_loaded(self) -> None:
         """Register the callbacks once TorchDynamo is loaded (any thread; cheap when done)."""
-        if self._handler is not None or self._removed or DYNAMO not in sys.modules:
+        if self._handler is not None or self._settled or DYNAMO not in sys.modules:
             return
         with self._lock:
-            if self._handler is not None or self._removed:
+            if self._handler is not None or self._settled:
                 return
             try:
                 from torch._dynamo.callback import callback_handler
             except ImportError:  # a torch without the callbacks: compilation stays in its phase
                 log.info("runhealth hook: this torch has no compile callbacks; compiling shows as its phase")
-                self._handler = False
+                self._settled = True
                 return
             callback_handler.register_start_callback(self._started)
             callback_handler.register_end_callback(self._ended)
@@ -63,8 +63,8 @@ class CompileWatch:
     def remove(self) -> None:
         """Unregister (the hook's close); never registered again after."""
         with self._lock:
-            handler, self._handler, self._removed = self._handler, None, True
-        if handler:
+            handler, self._handler, self._settled = self._handler, None, True
+        if handler is not None:
             for remove, callback in (
                 (handler.remove_start_callback, self._started),
                 (handler.remove_end_callback, self._ended),
