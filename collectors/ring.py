@@ -82,8 +82,14 @@ class PinnedRing(Generic[Meta]):
         slot = self._free.pop()
         if values:
             # One stack and one copy per window, however many values: each device op costs a
-            # launch. float64 keeps token counts exact and holds any float dtype losslessly.
-            packed = self._torch.stack(list(values)).to(self._torch.float64)
+            # launch. float64 keeps token counts exact and holds any float dtype losslessly, and
+            # each value is converted into it directly: a plain stack first promotes them all to
+            # the widest input type, and beside a bf16 or fp16 loss that is a half type (bf16
+            # rounds 32,767 tokens to 32,768; fp16 makes 100,001 inf).
+            packed = self._torch.empty(len(values), dtype=self._torch.float64, device=values[0].device)
+            if any(value.requires_grad for value in values):  # a stack into ``out`` refuses them
+                values = [value.detach() for value in values]
+            self._torch.stack(list(values), out=packed)
             # non_blocking into pinned memory: an async D2H copy, no synchronization.
             slot.host[: len(values)].copy_(packed, non_blocking=True)
         # Recorded after the copy on the same stream: complete means the copy landed.

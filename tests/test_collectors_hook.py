@@ -698,6 +698,36 @@ def test_a_device_loss_with_a_host_token_count(
     assert (step["tokens"], step["loss_sum"], step["reported_loss"]) == (4, 2.0 * 3 + 4.0 * 1, 3.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_device_loss_keeps_its_sums_and_token_counts_exact(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A model trained in fp16 or bf16 without autocast gives a half-precision loss. Its sum over
+    a microbatch's tokens must not be taken in that precision (an fp16 loss of 10 over 8,192
+    tokens overflows to inf: a nonfinite incident on a healthy run), and the window's values must
+    not be packed through it (bf16 holds integers exactly only to 256: 32,767 tokens became
+    32,768; fp16 makes 100,001 inf)."""
+    tensors_as_device_tensors(monkeypatch)
+    losses = [10.0, 2.203125, 2.5]  # each exact in both dtypes
+    counts = [8192, 32767, 100001 - 8192 - 32767]
+    with attach(tmp_path, transport) as rh:
+        as_device_rank(rh)
+        rh._windows._ring = PinnedRing(RingConfig(), device=torch.device("cpu"), new_marker=FakeMarker)
+        rh.window_start()
+        for loss, count in zip(losses, counts, strict=True):
+            rh.loss(torch.tensor(loss, dtype=dtype), tokens=torch.tensor(count))  # counted on the device
+        # A norm the trainer computed differentiably: it still requires grad.
+        rh.grad_norm(torch.tensor(0.5, dtype=dtype, requires_grad=True) * 1)
+        rh.window_end()
+    (step,) = transport.records("step")
+    assert step["tokens"] == sum(counts) == 100001
+    assert step["loss_sum"] == pytest.approx(
+        sum(x * n for x, n in zip(losses, counts, strict=True)), rel=1e-6
+    )
+    assert step["reported_loss"] == pytest.approx(sum(losses) / 3, rel=1e-6)
+    assert step["grad_norm"] == 0.5
+
+
 class ListedStamps:
     """Stamps the test chooses, one per phase change."""
 
