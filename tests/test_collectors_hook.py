@@ -728,6 +728,29 @@ def test_a_half_precision_device_loss_keeps_its_sums_and_token_counts_exact(
     assert step["grad_norm"] == 0.5
 
 
+def test_a_device_loss_of_shape_one_is_taken_as_a_scalar(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss of shape ``[1]`` (gathered across replicas, or cut from a concatenation) and its
+    token count of the same shape: the window lands as a 0-dim loss's would (it was lost to a
+    failed stack, one hook error a window)."""
+    tensors_as_device_tensors(monkeypatch)
+    with attach(tmp_path, transport) as rh:
+        as_device_rank(rh)
+        rh._windows._ring = PinnedRing(RingConfig(), device=torch.device("cpu"), new_marker=FakeMarker)
+        for _ in range(2):
+            rh.window_start()
+            rh.loss(torch.tensor([2.0]), tokens=torch.tensor([3]))
+            rh.loss(torch.tensor(4.0), tokens=torch.tensor(1))
+            rh.grad_norm(torch.tensor([0.5]))
+            rh.window_end()
+        assert rh.counters["hook_errors"] == 0
+    steps = transport.records("step")
+    assert [(s["tokens"], s["loss_sum"], s["reported_loss"], s["grad_norm"]) for s in steps] == [
+        (4, 10.0, 3.0, 0.5)
+    ] * 2
+
+
 class ListedStamps:
     """Stamps the test chooses, one per phase change."""
 
