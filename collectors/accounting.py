@@ -399,7 +399,7 @@ class WindowAccounting:
         names: tuple[str, ...] = ()
         tensors: list[torch.Tensor] = []
         if totals is not None or not window.scalars_on_host():
-            names, tensors = (totals or Totals()).device_values(window, self._torch)
+            names, tensors = (totals or Totals()).device_values(window, self._torch, self._device)
         skipped = (not updated) if self.optimizers else None
         marks = self.phases.take_window()
         pending = PendingWindow(

@@ -195,6 +195,8 @@ class Totals:
             # Device labels are counted there; CPU labels beside a device loss are counted now,
             # on the host (it waits for no device), since the loss sum needs the count.
             count = counting.on_device(labels) if on_device(labels) else counting.count(labels)
+        if on_device(loss):
+            count = moved_to(count, loss.device)
         self._add(self.device_losses, "loss_total", loss)
         if count is None:
             self.folded.tokens_known = False
@@ -225,8 +227,11 @@ class Totals:
             add_host(self.folded, microbatch, sum_reduction, counting)
         self.host = []
 
-    def device_values(self, window: WindowValues, torch: Any) -> tuple[tuple[str, ...], list[Any]]:
-        """The device tensors for the ring, one per quantity (0-dim), and their names."""
+    def device_values(
+        self, window: WindowValues, torch: Any, device: Any
+    ) -> tuple[tuple[str, ...], list[Any]]:
+        """The device tensors for the ring, one per quantity (0-dim), and their names, each on
+        ``device`` (the ring's: its copies are ordered on that device's stream)."""
         values: dict[str, Any] = {}
         for name, parts in (
             ("loss_sum", self.device_loss_sums),
@@ -241,7 +246,7 @@ class Totals:
                 values[name] = value if value.dim() == 0 else value.reshape(())
         if window.verdicts:
             values["found_inf"] = total(window.verdicts, torch)
-        return tuple(values), list(values.values())
+        return tuple(values), [moved_to(value, device) for value in values.values()]
 
 
 def settle_on_host(microbatches: Sequence[Microbatch]) -> list[Microbatch] | None:
@@ -501,6 +506,17 @@ def as_scalar(value: Any) -> Any:
     reads either shape alike."""
     if getattr(value, "ndim", 0) and value.numel() == 1:
         return value.reshape(())
+    return value
+
+
+def moved_to(value: Any, device: Any) -> Any:
+    """A device tensor on another device moved to ``device`` (an async device-to-device copy, no
+    sync); anything else as it is. One process can train over several accelerators (a model
+    split across them, ``device_map="auto"``): the loss is on the last, the labels on the first,
+    the grad norm where ``clip_grad_norm_`` put it, and one op or one stack over two devices
+    fails."""
+    if on_device(value) and value.device != device:
+        return value.to(device, non_blocking=True)
     return value
 
 

@@ -3,6 +3,7 @@ phases, heartbeats, checkpoint and resume events, and that nothing raises into t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -698,6 +699,18 @@ def test_a_device_loss_with_a_host_token_count(
     assert (step["tokens"], step["loss_sum"], step["reported_loss"]) == (4, 2.0 * 3 + 4.0 * 1, 3.0)
 
 
+@contextlib.contextmanager
+def device_rank(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[RunHealth]:
+    """An attached hook that takes CPU tensors for device tensors, with a CPU ring."""
+    tensors_as_device_tensors(monkeypatch)
+    with attach(tmp_path, transport) as rh:
+        as_device_rank(rh)
+        rh._windows._ring = PinnedRing(RingConfig(), device=torch.device("cpu"), new_marker=FakeMarker)
+        yield rh
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_half_precision_device_loss_keeps_its_sums_and_token_counts_exact(
     tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
@@ -707,12 +720,9 @@ def test_a_half_precision_device_loss_keeps_its_sums_and_token_counts_exact(
     tokens overflows to inf: a nonfinite incident on a healthy run), and the window's values must
     not be packed through it (bf16 holds integers exactly only to 256: 32,767 tokens became
     32,768; fp16 makes 100,001 inf)."""
-    tensors_as_device_tensors(monkeypatch)
     losses = [10.0, 2.203125, 2.5]  # each exact in both dtypes
     counts = [8192, 32767, 100001 - 8192 - 32767]
-    with attach(tmp_path, transport) as rh:
-        as_device_rank(rh)
-        rh._windows._ring = PinnedRing(RingConfig(), device=torch.device("cpu"), new_marker=FakeMarker)
+    with device_rank(tmp_path, transport, monkeypatch) as rh:
         rh.window_start()
         for loss, count in zip(losses, counts, strict=True):
             rh.loss(torch.tensor(loss, dtype=dtype), tokens=torch.tensor(count))  # counted on the device
@@ -734,10 +744,7 @@ def test_a_device_loss_of_shape_one_is_taken_as_a_scalar(
     """A loss of shape ``[1]`` (gathered across replicas, or cut from a concatenation) and its
     token count of the same shape: the window lands as a 0-dim loss's would (it was lost to a
     failed stack, one hook error a window)."""
-    tensors_as_device_tensors(monkeypatch)
-    with attach(tmp_path, transport) as rh:
-        as_device_rank(rh)
-        rh._windows._ring = PinnedRing(RingConfig(), device=torch.device("cpu"), new_marker=FakeMarker)
+    with device_rank(tmp_path, transport, monkeypatch) as rh:
         for _ in range(2):
             rh.window_start()
             rh.loss(torch.tensor([2.0]), tokens=torch.tensor([3]))
@@ -749,6 +756,66 @@ def test_a_device_loss_of_shape_one_is_taken_as_a_scalar(
     assert [(s["tokens"], s["loss_sum"], s["reported_loss"], s["grad_norm"]) for s in steps] == [
         (4, 10.0, 3.0, 0.5)
     ] * 2
+
+
+class Placed(torch.Tensor):
+    """A tensor on one of two accelerators of one process, faked at the one rule that matters
+    here: an op mixing the two devices fails, as CUDA's do, and ``.to(device)`` moves a tensor.
+    Plain tensors (the ring's buffers) are on neither."""
+
+    place: torch.device
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.place
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            (target,) = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.device)]
+            return args[0].as_subclass(torch.Tensor).clone().as_subclass(placed_on(target))
+        flat = [
+            a for arg in (*args, *kwargs.values()) for a in (arg if isinstance(arg, list | tuple) else [arg])
+        ]
+        if len({type(a) for a in flat if isinstance(a, Placed)}) > 1:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices"
+            )
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class FirstDevice(Placed):
+    place = torch.device("cpu")
+
+
+class LastDevice(Placed):
+    place = torch.device("cpu", 0)  # unequal to the first: real CPU memory all the same
+
+
+def placed_on(device: torch.device) -> type[Placed]:
+    return FirstDevice if device == FirstDevice.place else LastDevice
+
+
+def test_a_model_split_over_two_devices_in_one_process_stores_its_windows(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process, a model split over two accelerators (``device_map="auto"``): the loss and the
+    scaler's scale on the last device, the labels and the grad norm on the first. The count is
+    moved to the loss's device and the window's values to the hook's (the model's first
+    parameter's, whose stream orders the ring's copies) before they are stacked; each window was
+    lost to a cross-device op, one hook error a window."""
+    with device_rank(tmp_path, transport, monkeypatch) as rh:
+        for _ in range(2):
+            rh.window_start()
+            for loss in (2.0, 4.0):
+                labels = torch.tensor([[0, 5, 7, -100]]).as_subclass(FirstDevice)  # 2 tokens once shifted
+                rh.loss(torch.tensor(loss).as_subclass(LastDevice), labels=labels)
+            rh.grad_norm(torch.tensor(0.5).as_subclass(FirstDevice))
+            rh.window_end()
+        assert rh.counters["hook_errors"] == 0
+    steps = transport.records("step")
+    assert [(s["tokens"], s["reported_loss"], s["grad_norm"]) for s in steps] == [(4, 3.0, 0.5)] * 2
 
 
 class ListedStamps:
