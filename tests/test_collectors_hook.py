@@ -51,7 +51,7 @@ from collectors.wire import Record
 from policies.checkpoints import manifest_digest
 from tests.adapters_support import ROLLBACK, directed_hook
 from tests.collectors_support import REPO, FakeMarker, RecordingTransport, child_environ, wait_until
-from tests.support import require_module
+from tests.support import free_port, require_module
 
 require_module("torch")  # before the import: skipped without torch, failed in CI
 
@@ -756,6 +756,32 @@ def test_a_device_loss_of_shape_one_is_taken_as_a_scalar(
     assert [(s["tokens"], s["loss_sum"], s["reported_loss"], s["grad_norm"]) for s in steps] == [
         (4, 10.0, 3.0, 0.5)
     ] * 2
+
+
+def test_a_dtensor_loss_lands_as_its_local_value(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor parallelism's ``loss_parallel`` gives a replicated DTensor loss. On a device its
+    window was lost: a DTensor cannot be stacked into, or copied to, the ring's plain tensors.
+    Here a real DTensor on a one-rank gloo mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with device_rank(tmp_path, transport, monkeypatch) as rh:
+            rh.window_start()
+            rh.loss(DTensor.from_local(torch.tensor(2.5), mesh, [Replicate()]), tokens=torch.tensor(4))
+            rh.grad_norm(DTensor.from_local(torch.tensor(0.5), mesh, [Replicate()]))
+            rh.window_end()
+            assert rh.counters["hook_errors"] == 0
+    finally:
+        torch.distributed.destroy_process_group()
+    (step,) = transport.records("step")
+    assert (step["tokens"], step["loss_sum"], step["reported_loss"], step["grad_norm"]) == (4, 10.0, 2.5, 0.5)
 
 
 class Placed(torch.Tensor):
