@@ -61,6 +61,12 @@ class PinnedRing(Generic[Meta]):
 
         self._torch = torch
         pin = device.type == "cuda"
+        # Asynchronous only where a CUDA event tells when the copy landed. Elsewhere the marker
+        # is a wall clock, complete when recorded, and another accelerator's async copy to host
+        # memory can still be in flight when the slot is read (MPS's is: pytorch/pytorch#139550
+        # and #189690 show such copies reading or giving wrong values): a blocking copy, correct
+        # at the cost of one wait a window on those devices.
+        self._non_blocking = pin
         self._free = [
             _Slot[Meta](torch.empty(config.width, dtype=torch.float64, pin_memory=pin), new_marker())
             for _ in range(config.slots)
@@ -76,7 +82,8 @@ class PinnedRing(Generic[Meta]):
         return len(self._busy)
 
     def push(self, values: Sequence[torch.Tensor], meta: Meta) -> None:
-        """Start copying 0-dim device ``values`` to the host; never waits for the device."""
+        """Start copying 0-dim device ``values`` to the host; on a CUDA device never waits for
+        it (elsewhere the copy is blocking: see ``__init__``)."""
         if len(values) > self._width:
             raise ValueError(f"{len(values)} values do not fit a ring slot of {self._width}")
         slot = self._free.pop()
@@ -90,8 +97,8 @@ class PinnedRing(Generic[Meta]):
             if any(value.requires_grad for value in values):  # a stack into ``out`` refuses them
                 values = [value.detach() for value in values]
             self._torch.stack(list(values), out=packed)
-            # non_blocking into pinned memory: an async D2H copy, no synchronization.
-            slot.host[: len(values)].copy_(packed, non_blocking=True)
+            # On CUDA, non_blocking into pinned memory: an async D2H copy, no synchronization.
+            slot.host[: len(values)].copy_(packed, non_blocking=self._non_blocking)
         # Recorded after the copy on the same stream: complete means the copy landed.
         slot.done.record()
         slot.meta, slot.count = meta, len(values)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import numpy
 import pytest
@@ -623,6 +623,36 @@ def test_the_ring_hands_back_windows_in_order_once_their_copy_completed() -> Non
     assert not ring.full and len(ring) == 1
     assert ring.pop_oldest() == ("c", [])
     assert slot_of["c"].waited == 1
+
+
+class CopySpy(torch.Tensor):
+    """A ring's host buffer that notes how each copy into it was asked for."""
+
+    copies: ClassVar[list[bool]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_:
+            cls.copies.append(bool((kwargs or {}).get("non_blocking", False)))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize(("device_type", "asynchronous"), [("cuda", True), ("mps", False), ("xpu", False)])
+def test_the_host_copy_is_asynchronous_only_where_an_event_says_when_it_landed(
+    device_type: str, asynchronous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off CUDA a ring slot's marker is a wall clock, complete when recorded, so an async copy
+    could still be in flight when the slot is read (MPS's non-blocking copies are known to give
+    wrong values): there the copy blocks. Pinned buffers are faked (no CUDA here)."""
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: torch.zeros(*a, **k))
+    ring = PinnedRing[int](RingConfig(), device=torch.device(device_type), new_marker=WallMarker)
+    monkeypatch.undo()
+    monkeypatch.setattr(CopySpy, "copies", [])
+    for slot in ring._free:
+        slot.host = slot.host.as_subclass(CopySpy)
+    ring.push([torch.tensor(2.5), torch.tensor(3)], 7)
+    assert CopySpy.copies == [asynchronous]
+    assert ring.pop_ready() == [(7, [2.5, 3.0])]
 
 
 def test_host_buffers_are_pinned_only_for_cuda() -> None:
