@@ -89,20 +89,32 @@ class PinnedRing(Generic[Meta]):
         slot = self._free.pop()
         if values:
             # One stack and one copy per window, however many values: each device op costs a
-            # launch. float64 keeps token counts exact and holds any float dtype losslessly, and
-            # each value is converted into it directly: a plain stack first promotes them all to
-            # the widest input type, and beside a bf16 or fp16 loss that is a half type (bf16
-            # rounds 32,767 tokens to 32,768; fp16 makes 100,001 inf).
-            packed = self._torch.empty(len(values), dtype=self._torch.float64, device=values[0].device)
-            if any(value.requires_grad for value in values):  # a stack into ``out`` refuses them
-                values = [value.detach() for value in values]
-            self._torch.stack(list(values), out=packed)
+            # launch. float64 keeps token counts exact and holds any float dtype losslessly, if
+            # each value reaches it unrounded: a plain stack first promotes them all to the
+            # widest input type, and beside a bf16 or fp16 loss that is a half type (bf16 rounds
+            # 32,767 tokens to 32,768; fp16 makes 100,001 inf). ``_pack`` avoids that.
+            packed = self._pack(values)
             # On CUDA, non_blocking into pinned memory: an async D2H copy, no synchronization.
             slot.host[: len(values)].copy_(packed, non_blocking=self._non_blocking)
         # Recorded after the copy on the same stream: complete means the copy landed.
         slot.done.record()
         slot.meta, slot.count = meta, len(values)
         self._busy.append(slot)
+
+    def _pack(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The values as one float64 device tensor. All fp32 or fp64: one fused stack and one
+        cast, exact. Otherwise each is converted into the float64 tensor as it is stacked (a
+        copy kernel each, which a stack of mixed types launches anyway)."""
+        lib = self._torch  # the module, imported at run time (the name is the type here)
+        dtype = values[0].dtype
+        if dtype in (lib.float32, lib.float64) and all(value.dtype is dtype for value in values):
+            stacked: torch.Tensor = lib.stack(list(values)).to(lib.float64)
+            return stacked
+        packed: torch.Tensor = lib.empty(len(values), dtype=lib.float64, device=values[0].device)
+        if any(value.requires_grad for value in values):  # a stack into ``out`` refuses them
+            values = [value.detach() for value in values]
+        lib.stack(list(values), out=packed)
+        return packed
 
     def pop_ready(self) -> list[tuple[Meta, list[float]]]:
         """Every slot whose copy has completed, oldest first, stopping at the first pending."""

@@ -655,6 +655,21 @@ def test_the_host_copy_is_asynchronous_only_where_an_event_says_when_it_landed(
     assert ring.pop_ready() == [(7, [2.5, 3.0])]
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [torch.tensor(0.1), torch.tensor(2.0, dtype=torch.float64)],  # float types: one stack, one cast
+        [torch.tensor(0.1), torch.tensor(2.0)],
+        [torch.tensor(2**40 + 1)],  # a count past fp32's integers
+        [torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(32767), torch.tensor(0.1)],
+    ],
+)
+def test_the_ring_packs_each_value_unrounded(values: list[torch.Tensor]) -> None:
+    ring = PinnedRing[int](RingConfig(), device=torch.device("cpu"), new_marker=WallMarker)
+    ring.push(values, 1)
+    assert ring.pop_ready() == [(1, [value.item() for value in values])]
+
+
 def test_host_buffers_are_pinned_only_for_cuda() -> None:
     ring = PinnedRing[int](RingConfig(), device=torch.device("cpu"), new_marker=WallMarker)
     assert not any(slot.host.is_pinned() for slot in ring._free)
