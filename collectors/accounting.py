@@ -33,7 +33,7 @@ from collectors.phases import Phase, PhaseClock
 from collectors.ring import PinnedRing
 from collectors.sender import Sender
 from collectors.skip_update import NonfiniteSkip
-from collectors.values import learning_rate, local_value, loss_scale, on_device
+from collectors.values import learning_rate, local_value, on_device, scale_reader
 from collectors.window import (
     Counting,
     Microbatch,
@@ -97,6 +97,7 @@ class WindowAccounting:
         self.model: Any = None
         self.optimizers: list[Any] = []
         self.scaler: Any = None
+        self._read_scale: Callable[[], Any] | None = None  # ``scale_reader`` of the scaler
         self.handles: list[Any] = []  # hooks registered on the watched objects
         self._forward_hooked = False
         self.window: WindowValues | None = None
@@ -158,7 +159,9 @@ class WindowAccounting:
                 self.handles.append(item.register_step_post_hook(self._after_optimizer_step))
                 if self._skip is not None:
                     self.handles.extend(self._skip.install(item))
-        self.scaler = scaler if scaler is not None else self.scaler
+        if scaler is not None and scaler is not self.scaler:
+            self._read_scale = scale_reader(scaler)  # a scaler it cannot read is refused here
+            self.scaler = scaler
 
     def _window_grad_norm(self) -> Any:
         window = self.window
@@ -190,9 +193,9 @@ class WindowAccounting:
             ids = list(sample_ids) if type(sample_ids) is list else self._sample_ids(sample_ids)
             # Open before the values below are read: one that fails leaves the window without it.
             self.window = window = WindowValues(self.attempt, data_wait_s, ids, examples)
-            if self.scaler is not None:
-                # Sync: none. A device scale is cloned on the device, not read (``loss_scale``).
-                window.loss_scale = loss_scale(self.scaler)
+            if self._read_scale is not None:
+                # Sync: none. A device scale is cloned on the device, not read (``scale_value``).
+                window.loss_scale = self._read_scale()
             if self.optimizers:
                 # Sync: none for a float rate; a tensor rate is cloned on its device.
                 lr = self.optimizers[0].param_groups[0]["lr"]

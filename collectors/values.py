@@ -7,6 +7,8 @@ a tensor on an accelerator, which stays there until the ring brings it over. Not
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,6 +53,46 @@ def loss_scale(scaler: Any) -> Any:
     if scale is None:
         return float(scaler._init_scale)
     return float(scale.item()) if scale.is_cpu else scale.detach().clone()
+
+
+def scale_reader(scaler: Any) -> Callable[[], Any]:
+    """How each window reads its loss scale from what the trainer passed as ``scaler``.
+
+    A torch ``GradScaler`` (or FSDP's ``ShardedGradScaler``, accelerate's and Lightning's):
+    ``loss_scale``. Megatron-LM's mixed-precision optimizers: ``get_loss_scale()``, a device
+    tensor. DeepSpeed's fp16 and ZeRO optimizers: the ``loss_scale`` property (or
+    ``cur_scale``), a number. Anything else that is callable: its return value. Each is read
+    without a sync (``scale_value``). Anything else is refused here, at attach, naming what is
+    accepted, rather than failing at every window.
+    """
+    if callable(getattr(scaler, "is_enabled", None)) and hasattr(scaler, "_init_scale"):
+        return lambda: loss_scale(scaler)
+    if callable(getattr(scaler, "get_loss_scale", None)):
+        return lambda: scale_value(scaler.get_loss_scale())
+    for name in ("loss_scale", "cur_scale"):
+        value = getattr(scaler, name, None)
+        if isinstance(value, int | float) or hasattr(value, "is_cpu"):  # a number or a tensor
+            return functools.partial(_attribute_scale, scaler, name)
+    if callable(scaler):
+        return lambda: scale_value(scaler())
+    raise TypeError(
+        f"scaler: a {type(scaler).__name__} is not a loss scaler; pass a torch GradScaler, an "
+        "optimizer with get_loss_scale() (Megatron-LM) or loss_scale (DeepSpeed), or a function "
+        "that returns the current scale"
+    )
+
+
+def _attribute_scale(scaler: Any, name: str) -> Any:
+    return scale_value(getattr(scaler, name))
+
+
+def scale_value(value: Any) -> Any:
+    """A scale as a window keeps it: a number as a float, a CPU tensor read, a device tensor
+    cloned on its device (the trainer's scaler may change it in place before the window ends),
+    None as None."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else float(value)
+    return float(value.item()) if value.is_cpu else value.detach().clone()
 
 
 def local_value(value: Any, device: torch.device) -> Any:

@@ -216,6 +216,72 @@ def test_a_skipped_amp_step_is_an_attempt_and_consumed_data_but_not_an_update(
     assert rh.progress == {"attempt": 5, "step": 4, "consumed": 20}
 
 
+class MegatronOptimizer:
+    """Megatron-LM's mixed-precision optimizer as the hook reads it: ``get_loss_scale()`` returns
+    its grad scaler's scale tensor, replaced by a backoff."""
+
+    def __init__(self) -> None:
+        self.scale = torch.tensor(65536.0)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.scale
+
+
+class DeepSpeedOptimizer:
+    """DeepSpeed's ZeRO optimizer as the hook reads it: a ``loss_scale`` property, a number."""
+
+    def __init__(self) -> None:
+        self.cur = 4096.0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur
+
+
+@pytest.mark.parametrize("kind", ["megatron", "deepspeed", "function", "device"])
+def test_a_loss_scale_is_read_from_each_kind_of_scaler(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Megatron-LM's and DeepSpeed's optimizers carry their own loss scale, not a GradScaler;
+    a function may also say it. Each window records the scale it started with (a backoff
+    after the first window halves it). ``device``: Megatron's scale as a device tensor, which
+    is cloned, not read, and must not change with the scaler's in-place update."""
+    megatron, deepspeed = MegatronOptimizer(), DeepSpeedOptimizer()
+    scaler: Any = {"megatron": megatron, "deepspeed": deepspeed, "device": megatron}.get(
+        kind, lambda: deepspeed.cur
+    )
+    context = (
+        device_rank(tmp_path, transport, monkeypatch) if kind == "device" else attach(tmp_path, transport)
+    )
+    with context as rh:
+        rh.watch(scaler=scaler)
+        for _ in range(2):
+            rh.window_start()
+            rh.loss(torch.tensor(1.0), tokens=1)
+            rh.window_end()
+            megatron.scale.mul_(0.5)  # in place: a device clone keeps the window's value
+            deepspeed.cur /= 2
+        assert rh.counters["hook_errors"] == 0
+    first = 4096.0 if kind in ("deepspeed", "function") else 65536.0
+    assert [s["loss_scale"] for s in transport.records("step")] == [first, first / 2]
+
+
+def test_an_object_that_is_no_loss_scaler_is_refused_once_at_attach(
+    tmp_path: Path, transport: RecordingTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a failure at every window: one logged refusal naming what is accepted, and the
+    windows are stored without a scale."""
+    with attach(tmp_path, transport, scaler=object()) as rh:
+        for _ in range(2):
+            rh.window_start()
+            rh.loss(torch.tensor(1.0), tokens=1)
+            rh.window_end()
+        assert rh.counters["hook_errors"] == 1
+    assert "is not a loss scaler; pass a torch GradScaler" in caplog.text
+    steps = transport.records("step")
+    assert len(steps) == 2 and not any("loss_scale" in s for s in steps)
+
+
 class DeviceFlag(torch.Tensor):
     """A found-inf flag as a fused optimizer on a GPU sees it: not on the CPU."""
 
