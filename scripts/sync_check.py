@@ -8,7 +8,9 @@ CPU beside a GPU loss, and a fused AdamW (the skip verdict travels as a device f
 of each run overflows on purpose, so a skipped step is in every variant. A fourth runs without a
 GradScaler, a fused AdamW and ``nonfinite_response="skip_update"``, one window's loss NaN: its
 update is skipped by a device flag the hook computes (``collectors/skip_update.py``), compared
-with the same training bare and without a scaler, and its weights must stay finite.
+with the same training bare and without a scaler, and its weights must stay finite. A fifth
+hands the hook a bfloat16 loss (a model trained in bf16 without autocast): every window's token
+count must arrive exact (bf16 holds integers only to 256).
 
     python scripts/sync_check.py [--steps 30]
 
@@ -39,6 +41,7 @@ from collectors.transport import Delivery, Outcome, TransportConfig  # noqa: E40
 
 LOG = logging.getLogger("runhealth.sync_check")
 VOCAB = 512
+WINDOW_TOKENS = 8 * 128  # a window's batch: 8 rows of 129 tokens, shifted
 SYNC_WORDS = ("synchroniz",)  # "called a synchronizing CUDA operation"
 
 
@@ -106,6 +109,9 @@ class Variant:
     fused: bool = False
     scaler: bool = True
     """False: no GradScaler, and the hook skips the nonfinite window (``skip_update``)."""
+    half_loss: bool = False
+    """The loss handed to the hook in bfloat16, as a model trained in bf16 without autocast
+    gives it: summed in fp32 and packed unrounded (each window's token count exact)."""
 
 
 def build(fused: bool, scaler: bool = True) -> tuple[Any, Any, Any]:
@@ -193,6 +199,7 @@ def run_hooked(variant: Variant, steps: int, skip_at: int) -> dict[str, Any]:
         with counter.hook_call():
             if name == "loss":
                 loss, gpu_tokens, cpu_tokens = args
+                loss = loss.bfloat16() if variant.half_loss else loss
                 rh.loss(loss, labels=gpu_tokens if variant.labels_on_gpu else cpu_tokens)
             else:
                 rh.grad_norm(args[0])
@@ -223,6 +230,7 @@ def summarize_hooked(
         "examples": counter.examples,
         "step_records": len(step_records),
         "skipped_attempts": [record["attempt"] for record in step_records if record.get("skipped")],
+        "tokens_per_window": sorted({record.get("tokens") for record in step_records}, key=str),
         "last_record": step_records[-1] if step_records else None,
         "counters": rh.counters,
         "device_uuid": rh.identity.device_uuid,
@@ -261,6 +269,7 @@ def run_check(steps: int) -> dict[str, Any]:
         Variant("labels_on_cpu", labels_on_gpu=False),
         Variant("fused_adamw", fused=True),
         Variant("fused_adamw_skip_update", fused=True, scaler=False),
+        Variant("bf16_loss", half_loss=True),
     ]
     hooked = [run_hooked(variant, steps, skip_at) for variant in variants]
     bare_per_step = bare.total / steps
@@ -279,8 +288,9 @@ def run_check(steps: int) -> dict[str, Any]:
         "ok": all(r["syncs_inside_hook_calls"] == 0 and r["step_records"] == steps for r in hooked)
         and all(
             r["added_syncs_per_step"] <= 0 and r["weights_finite"] and r["skipped_attempts"] == [skip_at + 1]
-            for r in hooked[3:]
-        ),
+            for r in hooked[3:4]
+        )
+        and hooked[4]["tokens_per_window"] == [WINDOW_TOKENS],
         "seconds": time.time() - started,
     }
 
