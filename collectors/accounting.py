@@ -65,6 +65,9 @@ Reduction = Literal["mean", "sum"]
 # Per-microbatch values are kept in lists and summed at the window's end (one stack instead of
 # a device add per microbatch); past this many they are folded, so memory stays bounded.
 FOLD_MICROBATCHES = 64
+# Windows without an update (and no GradScaler) before the hook says how to attach a loop that
+# accumulates: three in twenty windows are the skip-storm rule's count (``policies/numerics.py``).
+WITHOUT_UPDATE_NOTE = 3
 
 
 class WindowAccounting:
@@ -98,6 +101,7 @@ class WindowAccounting:
         self.optimizers: list[Any] = []
         self.scaler: Any = None
         self._read_scale: Callable[[], Any] | None = None  # ``scale_reader`` of the scaler
+        self._windows_without_update = 0
         self.handles: list[Any] = []  # hooks registered on the watched objects
         self._forward_hooked = False
         self.window: WindowValues | None = None
@@ -343,6 +347,8 @@ class WindowAccounting:
             complete = not phases.overflow and len(marks) <= phases.max_marks
             phases.overflow = False
             skipped = (not updated) if self.optimizers else None
+            if skipped:
+                self._without_update()
             window.handed = (self.context, self.step, self.consumed, skipped, end, (marks, complete))
             self._sender.submit(window)
         except Exception as exc:
@@ -428,10 +434,29 @@ class WindowAccounting:
         in ``window_end`` for a CPU rank's window."""
         if updated or not self.optimizers:
             self.step += 1
+        else:
+            self._without_update()
         if examples is None:
             self.consumed = None  # unknown from here on, rather than wrong
         elif self.consumed is not None:
             self.consumed += examples * self._dp_size
+
+    def _without_update(self) -> None:
+        """A window closed without an optimizer update. With a GradScaler that is its skip; with
+        nothing that skips updates it is more often a loop that opens a window per microbatch
+        and updates every K-th (each such window is recorded as a skipped update, and three in
+        twenty windows are the skip-storm rule's incident): said once, at the third."""
+        self._windows_without_update += 1
+        if self._windows_without_update == WITHOUT_UPDATE_NOTE and self._read_scale is None:
+            self._note_once(
+                "without_update",
+                f"{WITHOUT_UPDATE_NOTE} windows closed without an optimizer update and nothing here "
+                "skips updates (no GradScaler watched). If this loop accumulates gradients, open one "
+                "window per optimizer step: rh.windows(loader, microbatches=K), or rh.window_start() "
+                "before the first microbatch and rh.window_end() after optimizer.step(). Each "
+                "window without an update is recorded as a skipped one, and three in twenty open a "
+                "skip-storm incident.",
+            )
 
     def _emit(self, ready: list[tuple[PendingWindow, list[float]]]) -> None:
         """Hand completed windows to the sender (the caller holds the lock, so the order is

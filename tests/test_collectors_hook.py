@@ -307,6 +307,32 @@ def test_a_device_only_skip_verdict_is_resolved_when_the_record_is_rendered(
     assert rh.progress["step"] == 2
 
 
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_a_window_per_microbatch_is_told_once_how_to_attach_an_accumulating_loop(
+    tmp_path: Path, transport: RecordingTransport, caplog: pytest.LogCaptureFixture, with_scaler: bool
+) -> None:
+    """A loop that opens a window per microbatch and updates every 4th (as a Hugging Face
+    ``no_trainer`` loop reads): its windows without an update are recorded as skipped, which the
+    skip-storm rule counts. With nothing that skips updates the hook says once, at the third,
+    how to open one window per optimizer step; with a GradScaler such a window is its skip."""
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    with attach(tmp_path, transport, model=model, optimizer=optimizer, scaler=scaler) as rh:
+        for index in range(12):
+            rh.window_start()
+            rh.loss(torch.tensor(1.0), tokens=1)
+            if index % 4 == 3:
+                optimizer.step()
+            rh.window_end()
+    steps = transport.records("step")
+    assert [s["skipped"] for s in steps] == [True, True, True, False] * 3
+    notes = [r.getMessage() for r in caplog.records if "without an optimizer update" in r.getMessage()]
+    assert len(notes) == (0 if with_scaler else 1)
+    if notes:
+        assert "rh.windows(loader, microbatches=K)" in notes[0]
+
+
 def test_a_skip_without_a_scale_change_is_still_a_skip(tmp_path: Path, transport: RecordingTransport) -> None:
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
