@@ -186,9 +186,9 @@ class Totals:
         """A microbatch with something on the device: sums stay there (device ops, no sync)."""
         loss, tokens = local_scalar(loss), local_scalar(tokens)
         if hasattr(loss, "element_size") and loss.is_floating_point() and loss.element_size() < 4:
-            # A half-precision loss (a model in fp16 or bf16, no autocast): summed in its own type
-            # an fp16 loss of 10 over 8,192 tokens is inf, and bf16 keeps 3 digits. One cast on
-            # the device; an fp32 loss, the usual one, is used as it is.
+            # A half-precision loss (a model in fp16 or bf16, no autocast) summed in its own type
+            # overflows or rounds: an fp16 loss of 10 over 8,192 tokens is inf, and bf16 keeps 3
+            # digits. One cast on the device; an fp32 loss, the usual one, is used as it is.
             loss = loss.float()
         count = tokens
         if count is None and labels is not None:
