@@ -65,7 +65,7 @@ Reduction = Literal["mean", "sum"]
 # Per-microbatch values are kept in lists and summed at the window's end (one stack instead of
 # a device add per microbatch); past this many they are folded, so memory stays bounded.
 FOLD_MICROBATCHES = 64
-# Windows without an update (and no GradScaler) before the hook says how to attach a loop that
+# Windows without an update (none a scaler's skip) before the hook says how to attach a loop that
 # accumulates: three in twenty windows are the skip-storm rule's count (``policies/numerics.py``).
 WITHOUT_UPDATE_NOTE = 3
 
@@ -200,6 +200,7 @@ class WindowAccounting:
             if self._read_scale is not None:
                 # Sync: none. A device scale is cloned on the device, not read (``scale_value``).
                 window.loss_scale = self._read_scale()
+                window.scaler_round = getattr(self.scaler, "_per_optimizer_states", None)
             if self.optimizers:
                 # Sync: none for a float rate; a tensor rate is cloned on its device.
                 lr = self.optimizers[0].param_groups[0]["lr"]
@@ -348,7 +349,7 @@ class WindowAccounting:
             phases.overflow = False
             skipped = (not updated) if self.optimizers else None
             if skipped:
-                self._without_update()
+                self._without_update(window)
             window.handed = (self.context, self.step, self.consumed, skipped, end, (marks, complete))
             self._sender.submit(window)
         except Exception as exc:
@@ -404,7 +405,7 @@ class WindowAccounting:
         # A device found-inf flag counts as an update now; the render corrects it, a window
         # later, once its value arrived (``PendingWindow._verdict``): no sync to know now.
         updated = window.updates > 0 or bool(window.verdicts)
-        self._advance(updated, window.local_examples(rows))
+        self._advance(updated, window.local_examples(rows), window)
         names: tuple[str, ...] = ()
         tensors: list[torch.Tensor] = []
         if totals is not None or not window.scalars_on_host():
@@ -429,29 +430,37 @@ class WindowAccounting:
         window.microbatches = []  # the window keeps no loss that still holds its graph
         return totals, host or [], rows
 
-    def _advance(self, updated: bool, examples: int | None) -> None:
+    def _advance(self, updated: bool, examples: int | None, window: WindowValues) -> None:
         """Count the attempt's update (as far as the host knows) and its examples. Written out
         in ``window_end`` for a CPU rank's window."""
         if updated or not self.optimizers:
             self.step += 1
         else:
-            self._without_update()
+            self._without_update(window)
         if examples is None:
             self.consumed = None  # unknown from here on, rather than wrong
         elif self.consumed is not None:
             self.consumed += examples * self._dp_size
 
-    def _without_update(self) -> None:
-        """A window closed without an optimizer update. With a GradScaler that is its skip; with
-        nothing that skips updates it is more often a loop that opens a window per microbatch
-        and updates every K-th (each such window is recorded as a skipped update, and three in
-        twenty windows are the skip-storm rule's incident): said once, at the third."""
+    def _without_update(self, window: WindowValues) -> None:
+        """A window closed without an optimizer update. When a GradScaler stepped in it (or a
+        scaler that cannot say so is watched) that is its skip. When nothing skipped it, it is
+        more often a loop that opens a window per microbatch and updates every K-th (each such
+        window is recorded as a skipped update, and three in twenty windows are the skip-storm
+        rule's incident): said once, at the third."""
+        if self._read_scale is not None:
+            same_round = window.scaler_round is not None and (
+                getattr(self.scaler, "_per_optimizer_states", None) is window.scaler_round
+            )
+            if not same_round:
+                return
         self._windows_without_update += 1
-        if self._windows_without_update == WITHOUT_UPDATE_NOTE and self._read_scale is None:
+        if self._windows_without_update == WITHOUT_UPDATE_NOTE:
             self._note_once(
                 "without_update",
-                f"{WITHOUT_UPDATE_NOTE} windows closed without an optimizer update and nothing here "
-                "skips updates (no GradScaler watched). If this loop accumulates gradients, open one "
+                f"{WITHOUT_UPDATE_NOTE} windows closed without an optimizer update, and nothing "
+                "skipped one (no GradScaler watched, or it neither stepped nor updated in them). "
+                "If this loop accumulates gradients, open one "
                 "window per optimizer step: rh.windows(loader, microbatches=K), or rh.window_start() "
                 "before the first microbatch and rh.window_end() after optimizer.step(). Each "
                 "window without an update is recorded as a skipped one, and three in twenty open a "

@@ -118,6 +118,9 @@ class WindowValues(Draft):
     lr: Value | None = None
     updates: int = 0  # optimizer steps known on the host to have updated
     verdicts: list[Any] | None = None  # device found-inf flags of fused optimizers' steps
+    # A GradScaler's per-optimizer state at the window's start: ``update()`` replaces it, so the
+    # same object at the end means the scaler neither stepped nor updated in this window.
+    scaler_round: Any = None
     handed: HandOver | None = None
 
     def render(self) -> Record:

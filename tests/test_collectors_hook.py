@@ -307,28 +307,41 @@ def test_a_device_only_skip_verdict_is_resolved_when_the_record_is_rendered(
     assert rh.progress["step"] == 2
 
 
-@pytest.mark.parametrize("with_scaler", [False, True])
+@pytest.mark.parametrize("loop", ["accumulating", "accumulating_with_scaler", "scaler_skipping"])
 def test_a_window_per_microbatch_is_told_once_how_to_attach_an_accumulating_loop(
-    tmp_path: Path, transport: RecordingTransport, caplog: pytest.LogCaptureFixture, with_scaler: bool
+    tmp_path: Path, transport: RecordingTransport, caplog: pytest.LogCaptureFixture, loop: str
 ) -> None:
     """A loop that opens a window per microbatch and updates every 4th (as a Hugging Face
-    ``no_trainer`` loop reads): its windows without an update are recorded as skipped, which the
-    skip-storm rule counts. With nothing that skips updates the hook says once, at the third,
-    how to open one window per optimizer step; with a GradScaler such a window is its skip."""
+    ``no_trainer`` loop reads), with or without a GradScaler: its windows without an update are
+    recorded as skipped, which the skip-storm rule counts, and the hook says once, at the third,
+    how to open one window per optimizer step. A GradScaler that steps and updates in every
+    window and skips three of them (inf gradients) is skipping: nothing is said."""
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    scaler = torch.amp.GradScaler("cpu") if loop != "accumulating" else None
     with attach(tmp_path, transport, model=model, optimizer=optimizer, scaler=scaler) as rh:
         for index in range(12):
             rh.window_start()
-            rh.loss(torch.tensor(1.0), tokens=1)
-            if index % 4 == 3:
+            loss = lm_loss(model, torch.randint(0, VOCAB, (2, 8)))
+            rh.loss(loss, tokens=14)
+            (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+            boundary = index % 4 == 3
+            if scaler is None and boundary:
                 optimizer.step()
+            elif scaler is not None and (boundary or loop == "scaler_skipping"):
+                if loop == "scaler_skipping" and not boundary:
+                    for parameter in model.parameters():
+                        assert parameter.grad is not None
+                        parameter.grad.fill_(math.inf)
+                scaler.step(optimizer)
+                scaler.update()
+            if boundary or loop == "scaler_skipping":
+                optimizer.zero_grad()
             rh.window_end()
     steps = transport.records("step")
     assert [s["skipped"] for s in steps] == [True, True, True, False] * 3
     notes = [r.getMessage() for r in caplog.records if "without an optimizer update" in r.getMessage()]
-    assert len(notes) == (0 if with_scaler else 1)
+    assert len(notes) == (0 if loop == "scaler_skipping" else 1)
     if notes:
         assert "rh.windows(loader, microbatches=K)" in notes[0]
 
