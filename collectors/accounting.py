@@ -401,7 +401,8 @@ class WindowAccounting:
         """Settle the window, advance the three counters, split host facts from device values."""
         totals, host, rows = self._settle_window(window)
         if window.grad_norm is not None:
-            window.grad_norm = local_value(window.grad_norm, self._device)  # async move, no sync
+            # Moved to the hook's device with the window's other values (``device_values``).
+            window.grad_norm = local_value(window.grad_norm)
         # A device found-inf flag counts as an update now; the render corrects it, a window
         # later, once its value arrived (``PendingWindow._verdict``): no sync to know now.
         updated = window.updates > 0 or bool(window.verdicts)

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 
 def on_device(value: Any) -> bool:
@@ -95,12 +92,17 @@ def scale_value(value: Any) -> Any:
     return float(value.item()) if value.is_cpu else value.detach().clone()
 
 
-def local_value(value: Any, device: torch.device) -> Any:
-    """A grad norm as this rank has it: a DTensor's local shard (no collective), a tensor on
-    another device moved to the hook's (device to device: async)."""
-    if value is None or isinstance(value, int | float):
+def local_value(value: Any) -> Any:
+    """A device value as this rank has it, before it is summed or stacked: a DTensor's local
+    tensor (no collective: a grad norm under FSDP2, a loss under tensor parallelism's
+    ``loss_parallel``; a DTensor cannot be stacked into, or copied to, a plain tensor, and this
+    rank's part is what ``host_float`` reads on the host too), a one-element tensor (a loss of
+    shape ``[1]``, as a gathered or concatenated loss is) as 0-dim, detached. Views, no device
+    op; anything that is not a tensor (a number, numpy's, None) as it is."""
+    if not hasattr(value, "detach"):
         return value
-    value = value.to_local() if hasattr(value, "to_local") else value
-    if not value.is_cpu and value.device != device:
-        value = value.to(device, non_blocking=True)
+    if hasattr(value, "to_local"):
+        value = value.to_local()
+    if value.ndim and value.numel() == 1:
+        value = value.reshape(())
     return value.detach() if value.requires_grad else value

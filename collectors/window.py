@@ -24,7 +24,7 @@ import numpy
 
 from collectors.phases import TIMED, Mark, Phase, durations, wall_durations
 from collectors.tokens import supervised_tokens
-from collectors.values import host_float, on_device
+from collectors.values import host_float, local_value, on_device
 from collectors.wire import Draft, NotRendered, Record
 from policies import protocol
 from policies.protocol import float_to_wire
@@ -187,7 +187,7 @@ class Totals:
 
     def _device(self, loss: Any, labels: Any, tokens: Any, sum_reduction: bool, counting: Counting) -> None:
         """A microbatch with something on the device: sums stay there (device ops, no sync)."""
-        loss, tokens = local_scalar(loss), local_scalar(tokens)
+        loss, tokens = local_value(loss), local_value(tokens)
         if hasattr(loss, "element_size") and loss.is_floating_point() and loss.element_size() < 4:
             # A half-precision loss (a model in fp16 or bf16, no autocast) summed in its own type
             # overflows or rounds: an fp16 loss of 10 over 8,192 tokens is inf, and bf16 keeps 3
@@ -501,19 +501,6 @@ PHASE_FIELDS = {phase: f"{phase.value}_s" for phase in Phase}
 WALL_FIELDS = {phase: f"{phase.value}_wall_s" for phase in Phase}
 # A timed phase the protocol has no field for fails here, at import, not as a refused batch.
 protocol.require(protocol.STEP, *(fields[phase] for phase in TIMED for fields in (PHASE_FIELDS, WALL_FIELDS)))
-
-
-def local_scalar(value: Any) -> Any:
-    """A device value as the window stacks it: a DTensor's local tensor (a loss under tensor
-    parallelism's ``loss_parallel``; a DTensor cannot be stacked into, or copied to, a plain
-    tensor, and this rank's part is what ``host_float`` reads on the host too), and a one-element
-    tensor (a loss of shape ``[1]``, as a gathered or concatenated loss is) as 0-dim. Views, no
-    device op."""
-    if hasattr(value, "to_local"):
-        value = value.to_local()
-    if getattr(value, "ndim", 0) and value.numel() == 1:
-        return value.reshape(())
-    return value
 
 
 def moved_to(value: Any, device: Any) -> Any:
