@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+from collectors.accumulation import MAX_PARTS, held_gradient, merged_examples, still_accumulating
 from collectors.counters import Counters
 from collectors.guard import EntryErrors, guarded
 from collectors.phases import Phase, PhaseClock
@@ -105,6 +106,10 @@ class WindowAccounting:
         self.handles: list[Any] = []  # hooks registered on the watched objects
         self._forward_hooked = False
         self.window: WindowValues | None = None
+        # A window closed without an update while its gradients accumulate: the next window's
+        # microbatches join it (``accumulation.py``). ``_flushing``: a close that must not hold.
+        self.carried: WindowValues | None = None
+        self._flushing = False
         self._last_end: float | None = None
         self.attempt = self.step = 0
         self.consumed: int | None = 0
@@ -183,9 +188,11 @@ class WindowAccounting:
         """Open a window. ``sample_ids``: host ints or strings (a list, or a CPU tensor or
         array; a CUDA tensor is ignored, since reading it would sync). ``examples``: this rank's
         example count when it is not the number of ids or label rows."""
-        if self.window is not None or not self.active:
-            self._ready_for_window()
+        if self.window is not None or self.carried is not None or not self.active:
+            self._ready_for_window()  # a window left open may be held here
             if not self.active:
+                return
+            if self.carried is not None and self._continued(sample_ids, examples, data_wait_s):
                 return
         try:
             if self.attempt >= self.next_boundary:
@@ -323,6 +330,9 @@ class WindowAccounting:
             phases.current = mark = (DATA, end, phases.stamp())
             marks = phases.marks
             marks.append(mark)
+            if not window.updates and self.optimizers and self._holds(window):
+                self.carried = window
+                return
             if not self._host_rank or self._totals is not None or window.verdicts:
                 self._close_window(window, end)
                 return
@@ -356,6 +366,65 @@ class WindowAccounting:
             self.faults.record("window_end")
             if window is not None and window.handed is None:  # taken above, never handed over
                 self._unfinished(window.attempt, "window_end", exc)
+
+    def _holds(self, window: WindowValues) -> bool:
+        """Whether a window closing without an update is held for the next one to join
+        (``accumulation.py`` says when); host facts only."""
+        if self._flushing or window.stepped or window.verdicts or window.grad_norm is not None:
+            return False
+        if window.parts >= MAX_PARTS or not self._scaler_idle(window):
+            return False
+        window.held = held_gradient(self.optimizers)
+        if window.held is None:
+            return False
+        if "merging" not in self._logged:
+            self._logged.add("merging")
+            log.info(
+                "runhealth: a window that ends with no optimizer step while its gradients "
+                "accumulate is merged into the next one (one window per optimizer step)"
+            )
+        return True
+
+    def _continued(self, sample_ids: Any, examples: int | None, data_wait_s: float | None) -> bool:
+        """A window opens while one is held: it joins that one (no new attempt, no directive
+        boundary: those fall between updates), unless the held gradient was zeroed meanwhile,
+        in which case the held window is closed as the skipped update it was."""
+        window, self.carried = self.carried, None
+        if window is None:
+            return False
+        try:
+            held, window.held = window.held, None
+            if window.stepped or held is None or not still_accumulating(held):
+                self._close_held(window)
+                return False
+            self.window = window
+            window.parts += 1
+            if data_wait_s is None and self._last_end is not None:
+                data_wait_s = time.perf_counter() - self._last_end
+            window.examples = merged_examples(window.examples, examples)
+            self._join(window, data_wait_s or 0.0, sample_ids)
+            return True
+        except Exception:
+            self.faults.record("window_start")
+            return self.window is window  # joined: the rest of the join is what failed
+
+    def _close_held(self, window: WindowValues) -> None:
+        self.window = window
+        self._flushing = True
+        try:
+            self.window_end()
+        finally:
+            self._flushing = False
+
+    def flush(self) -> None:
+        """Close the open window and a held one, without holding either: at the hook's close,
+        before a rollback's restore, at a new incarnation."""
+        window, self.carried = self.carried, None
+        if window is not None:
+            window.held = None
+            self._close_held(window)
+        if self.window is not None:
+            self._close_held(self.window)
 
     def _unfinished(self, attempt: int, where: str, error: Exception) -> None:
         """An attempt counted without a record (the failure is counted already): the sender
@@ -444,17 +513,14 @@ class WindowAccounting:
             self.consumed += examples * self._dp_size
 
     def _without_update(self, window: WindowValues) -> None:
-        """A window closed without an optimizer update. When a GradScaler stepped in it (or a
-        scaler that cannot say so is watched) that is its skip. When nothing skipped it, it is
-        more often a loop that opens a window per microbatch and updates every K-th (each such
+        """A window closed without an optimizer update and not merged into the next
+        (``accumulation.py``). When a GradScaler stepped in it (or a scaler that cannot say so is
+        watched) that is its skip. When nothing skipped it, it may be a loop that opens a window
+        per microbatch whose gradients accumulate where the hook cannot see them (each such
         window is recorded as a skipped update, and three in twenty windows are the skip-storm
         rule's incident): said once, at the third."""
-        if self._read_scale is not None:
-            same_round = window.scaler_round is not None and (
-                getattr(self.scaler, "_per_optimizer_states", None) is window.scaler_round
-            )
-            if not same_round:
-                return
+        if not self._scaler_idle(window):
+            return
         self._windows_without_update += 1
         if self._windows_without_update == WITHOUT_UPDATE_NOTE:
             self._note_once(
@@ -467,6 +533,15 @@ class WindowAccounting:
                 "window without an update is recorded as a skipped one, and three in twenty open a "
                 "skip-storm incident.",
             )
+
+    def _scaler_idle(self, window: WindowValues) -> bool:
+        """No scaler watched, or a GradScaler that neither stepped nor updated in the window
+        (``update()`` replaces its per-optimizer state); a scaler that cannot say is not idle."""
+        if self._read_scale is None:
+            return True
+        return window.scaler_round is not None and (
+            getattr(self.scaler, "_per_optimizer_states", None) is window.scaler_round
+        )
 
     def _emit(self, ready: list[tuple[PendingWindow, list[float]]]) -> None:
         """Hand completed windows to the sender (the caller holds the lock, so the order is
@@ -561,7 +636,10 @@ class WindowAccounting:
         try:
             window = self.window
             if window is None:
-                return
+                window = self.carried  # a loop that ends its window before the optimizer step
+                if window is None:
+                    return
+            window.stepped = True
             phases = self.phases
             if phases.current[0] is not OPTIMIZER:
                 phases.enter(OPTIMIZER)
@@ -584,7 +662,9 @@ class WindowAccounting:
         try:
             window = self.window
             if window is None:
-                return
+                window = self.carried  # its step is the held window's update
+                if window is None:
+                    return
             # The GradScaler's flag, set on such an optimizer for the duration of its step.
             flag = getattr(optimizer, "found_inf", None)
             if flag is None:  # the common case, kept inline (the step path)
@@ -617,8 +697,11 @@ class WindowAccounting:
             self.window_start(sample_ids=ids, data_wait_s=waited)
             return
         window = self.window
-        if window is None:
-            return
+        if window is not None:
+            self._join(window, waited, ids)
+
+    def _join(self, window: WindowValues, waited: float, ids: Any) -> None:
+        """A later microbatch joins the open window: its wait, its ids, its forward."""
         window.data_wait_s = (window.data_wait_s or 0.0) + waited
         extra = self._sample_ids(ids)
         if extra is not None:  # accumulation: the window's ids are its microbatches' ids

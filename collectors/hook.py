@@ -272,8 +272,7 @@ class RunHealth:
     @guarded
     def _close(self, status: str) -> None:
         windows = self._windows
-        if windows.window is not None:
-            windows.window_end()
+        windows.flush()
         windows.drain()  # waiting for the device here is fine: training is over
         self._events.flush_resume()
         self._events.finish_manifests()  # the last checkpoints' records, before the sender stops
@@ -332,6 +331,7 @@ class RunHealth:
     def _new_incarnation(self) -> None:
         """A restore inside this process: every rank calls ``resumed`` at the same boundary, so
         rank 0's new incarnation id reaches all in one broadcast, as at attach."""
+        self._windows.flush()  # a window held for accumulation belongs to the old timeline
         self._windows.drain()
         incarnation = str(self._collectives.broadcast(str(uuid.uuid4())))
         origin = records.Origin.of(self.identity, incarnation)
@@ -407,9 +407,13 @@ class RunHealth:
         """True once a rollback directive stopped this rank at a window boundary (every rank
         stops at the same one). ``windows()`` checks it itself; a hand-written loop calls it
         before fetching each batch. The directive is then in ``rh.directive``."""
-        if self._windows.active:
+        windows = self._windows
+        if windows.active:
             self._agent.boundary()
-        return self._agent.stop is not None
+        stopping = self._agent.stop is not None
+        if stopping and windows.carried is not None:
+            windows.flush()  # recorded before the rollback's restore, in this timeline
+        return stopping
 
     @property
     def directive(self) -> dict[str, Any] | None:

@@ -121,6 +121,11 @@ class WindowValues(Draft):
     # A GradScaler's per-optimizer state at the window's start: ``update()`` replaces it, so the
     # same object at the end means the scaler neither stepped nor updated in this window.
     scaler_round: Any = None
+    stepped: bool = False  # an optimizer's step ran (its pre-hook fired), whatever it updated
+    # Windows merged into this one: a loop that opens a window per microbatch and updates every
+    # K-th (``accumulation.py``); ``held`` is the gradient it accumulates into while it waits.
+    parts: int = 1
+    held: tuple[Any, Any] | None = None
     handed: HandOver | None = None
 
     def render(self) -> Record:
