@@ -589,12 +589,17 @@ class WindowAccounting:
         step = self.step - (context.device_skips.count if context is not None else 0)
         return {"attempt": self.attempt, "step": step, "consumed": self.consumed}
 
+    @property
+    def unfinished(self) -> WindowValues | None:
+        """The open window, else a held one: the window whose update a save taken now follows."""
+        return self.window if self.window is not None else self.carried
+
     def boundary_consumed(self) -> int | None:
         """The consumed count a save taken now captures: the ended windows' examples, and the
         open window's once its update ran. A loop that saves right after ``optimizer.step()``
         inside ``rh.windows()`` (as Accelerate's examples do, inside the batch loop) still has
         that window open: it ends only when the loop asks for the next batch. Host facts only."""
-        window = self.window
+        window = self.unfinished
         if self.consumed is None or window is None or not (window.updates or window.verdicts):
             return self.consumed
         folded = self._totals.rows if self._totals is not None else 0

@@ -124,9 +124,9 @@ class CheckpointEvents:
         ``rh.windows()`` (Accelerate's examples save inside the batch loop) would otherwise
         spend the whole save in that window's optimizer phase, where the hang rule allows a
         step's time, not a save's."""
-        window = self._windows.window
+        window = self._windows.unfinished
         if window is not None and (window.updates or window.verdicts):
-            self._windows.window_end()
+            self._windows.flush()
         mark = SaveMark(
             step,
             time.perf_counter(),
@@ -190,10 +190,10 @@ class CheckpointEvents:
         return chosen[0] if chosen else None
 
     def _updates_seen(self) -> int:
-        """Optimizer updates so far: the ended windows' and the open window's (its step hook
+        """Optimizer updates so far: the ended windows' and the open or held window's (its step hook
         counted one; the step counter moves at its end). Reads two attributes, no device."""
         windows = self._windows
-        window = windows.window
+        window = windows.unfinished
         return windows.step + (1 if window is not None and (window.updates or window.verdicts) else 0)
 
     def _published_save(self, step: int, location: str) -> SaveMark | None:

@@ -206,18 +206,25 @@ def test_a_window_without_a_backward_is_not_held(tmp_path: Path, transport: Reco
 def test_a_step_after_the_window_ended_is_the_held_windows_update(
     tmp_path: Path, transport: RecordingTransport
 ) -> None:
-    """``rh.window_end()`` written after the backward, before ``optimizer.step()``: the step's
-    hooks find the held window, which then closes as that update."""
+    """``rh.window_end()`` written after the backward, before ``optimizer.step()`` and the save
+    after it: the step's hooks find the held window, which then closes as that update, and the
+    save records the examples that update consumed."""
     with sgd_run(tmp_path, transport, seed=2) as (rh, model, optimizer, generator):
         for index in range(6):
-            rh.window_start()
+            rh.window_start(sample_ids=[index])
             forward_and_backward(rh, model, generator)
             rh.window_end()
             if index % 3 == 2:
                 optimizer.step()
                 optimizer.zero_grad()
+                (tmp_path / "ckpt.pt").write_bytes(b"w")  # overwritten in place
+                rh.checkpoint_saved(index // 3 + 1, str(tmp_path / "ckpt.pt"), hash_files=False)
     steps = transport.records("step")
-    assert [(s["step"], s["skipped"], s["microbatches"]) for s in steps] == [(1, False, 3), (2, False, 3)]
+    assert [(s["step"], s["skipped"], s["microbatches"], s["consumed"]) for s in steps] == [
+        (1, False, 3, 3),
+        (2, False, 3, 6),
+    ]
+    assert [(c["step"], c["consumed"]) for c in transport.records("checkpoint")] == [(1, 3), (2, 6)]
 
 
 def test_a_held_window_is_recorded_at_close_as_the_update_it_did_not_reach(
