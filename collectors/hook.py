@@ -50,6 +50,7 @@ from collectors.collectives import collectives_for
 from collectors.compiles import CompileWatch
 from collectors.config import RunHealthConfig
 from collectors.counters import Counters
+from collectors.cpu_use import CompileActivity
 from collectors.directives import Consensus
 from collectors.guard import EntryErrors, guarded
 from collectors.layout import Identity, discover_identity, resolve_device
@@ -228,6 +229,7 @@ class RunHealth:
         dp_size = self.identity.layout.dp.size
         self._windows.attached(torch, self._device, self._sender, ring, phases, fields, dp_size)
         self._compiles = CompileWatch(phases)
+        self._compile_activity = CompileActivity()
 
     def _after_attach(self) -> None:
         self._sender.start()
@@ -522,13 +524,15 @@ class RunHealth:
         publishes with single reference assignments."""
         phases = self._windows.phases
         state = phases.state
+        now, since = self._clock(), phases.epoch(state.since)
         return records.heartbeat(
             self._agent.origin,
-            self._clock(),
+            now,
             state.phase.value,
-            phases.epoch(state.since),
+            since,
             self.progress["step"],
             self._windows.attempt,
+            self._compile_activity.busy_at(state.phase is Phase.COMPILING, since, now),
         )
 
     def _run_start(self) -> Record:

@@ -91,9 +91,16 @@ def run_finish(incarnation: str, time: float, status: str) -> Record:
 
 
 def heartbeat(
-    origin: Origin, time: float, phase: str, phase_since: float, step: int | None, attempt: int
+    origin: Origin,
+    time: float,
+    phase: str,
+    phase_since: float,
+    step: int | None,
+    attempt: int,
+    cpu_busy_at: float | None = None,
 ) -> Record:
-    """The rank's phase and progress, from the sender thread on its own clock."""
+    """The rank's phase and progress, from the sender thread on its own clock; while it
+    compiles, when its processes last used CPU at a compiler's rate (``cpu_use.py``)."""
     return protocol.build(
         protocol.HEARTBEAT,
         incarnation=origin.incarnation,
@@ -104,6 +111,7 @@ def heartbeat(
         time=time,
         step=step,
         attempt=attempt,
+        cpu_busy_at=cpu_busy_at,
     )
 
 

@@ -41,7 +41,14 @@ class HangConfig:
       or ``pause_factor`` x the longest window if that is longer.
     - a compilation (``torch.compile``'s first forward, a recompilation; the hook's heartbeats
       say ``compiling``): as a declared save. A large model's compile with autotuning takes
-      many minutes, on the first step or in the middle of a run at a new shape.
+      many minutes, on the first step or in the middle of a run at a new shape. But a compiler
+      at work keeps a core busy, and one that itself hangs uses next to none: a rank whose
+      heartbeats say its processes have not used a quarter of a core since ``compile_idle_s``
+      (``cpu_busy_at``, ``collectors/cpu_use.py``) is stuck, unless another rank of the run
+      compiling was busy within that time (ranks that share a compile cache wait on each
+      other's locks; compiler collectives wait for the slowest rank). 120 s: 24 heartbeat
+      intervals, room for a remote-cache fetch or a short wait on a peer, and well under the
+      15 minutes at which nothing else would have named it before the 30-minute floor.
     - until the run has 5 windows, the floors only (``min_timeout_s`` for every phase).
     - a rank is missing when its newest heartbeat is older than ``silence_intervals`` x the
       heartbeat interval (3: one lost or late heartbeat is not silence), and never before
@@ -59,10 +66,13 @@ class HangConfig:
     heartbeat_interval_s: float = 5.0
     silence_intervals: float = 3.0
     min_silence_s: float = 10.0
+    compile_idle_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if min(self.min_timeout_s, self.train_floor_s, self.saving_floor_s) <= 0:
-            raise ValueError("HangConfig: min_timeout_s, train_floor_s and saving_floor_s must be > 0")
+        if min(self.min_timeout_s, self.train_floor_s, self.saving_floor_s, self.compile_idle_s) <= 0:
+            raise ValueError(
+                "HangConfig: min_timeout_s, train_floor_s, saving_floor_s and compile_idle_s must be > 0"
+            )
         if self.step_time_factor < 1 or self.pause_factor < 1:
             raise ValueError("HangConfig: step_time_factor >= 1, pause_factor >= 1")
         if self.heartbeat_interval_s <= 0 or self.silence_intervals < 1 or self.min_silence_s < 0:
@@ -89,6 +99,9 @@ class Beat:
     received_at: float
     attempt: int | None = None
     """The window the rank was in or last began (the hook's attempt count)."""
+    cpu_busy_at: float | None = None
+    """While compiling: when the rank's processes last used CPU at a compiler's rate (its
+    clock, as ``phase_since``); None from a hook that cannot say."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,7 @@ def hang_finding(
     stuck = [
         b for b in stuck_beats(beats, now, timeouts, config, stated_heartbeat_s) if b.rank not in moved_on
     ]
-    timeout = max((timeouts.of(b.phase) for b in stuck), default=timeouts.between)
+    timeout = max((_timeout_of(b, now, timeouts, config) for b in stuck), default=timeouts.between)
     silent = [b for b in beats if now - b.received_at > silence]
     seen = {b.rank for b in beats}
     overdue = started_at is None or now - started_at > max(timeout, silence)
@@ -160,7 +173,8 @@ def hang_finding(
         parts.append(
             "stuck: "
             + ", ".join(
-                f"rank {b.rank} in {b.phase} for {now - b.phase_since:.0f} s (step {b.step})"
+                f"rank {b.rank} in {b.phase} for {now - b.phase_since:.0f} s{_idle_note(b, now, config)} "
+                f"(step {b.step})"
                 for b in stuck[:8]
             )
         )
@@ -204,11 +218,32 @@ def stuck_beats(
     the beat still says forward until the next one comes. The caller checks these ranks'
     windows (``hang_finding``'s ``moved_on``)."""
     silence = config.silence_s(stated_heartbeat_s)
+    recent = [b for b in beats if now - b.received_at <= silence and b.phase != HELD]
+    compiler_busy = any(b.phase == COMPILING and not _compile_idle(b, now, config) for b in recent)
     return [
         b
-        for b in beats
-        if now - b.received_at <= silence and now - b.phase_since > timeouts.of(b.phase) and b.phase != HELD
+        for b in recent
+        if now - b.phase_since > timeouts.of(b.phase) or (not compiler_busy and _compile_idle(b, now, config))
     ]
+
+
+def _compile_idle(beat: Beat, now: float, config: HangConfig) -> bool:
+    """A compiling rank whose processes have used no compiler's share of CPU for
+    ``compile_idle_s`` (a beat without ``cpu_busy_at`` cannot say: never)."""
+    busy_at = beat.cpu_busy_at
+    return beat.phase == COMPILING and busy_at is not None and now - busy_at > config.compile_idle_s
+
+
+def _timeout_of(beat: Beat, now: float, timeouts: PhaseTimeouts, config: HangConfig) -> float:
+    if now - beat.phase_since > timeouts.of(beat.phase):
+        return timeouts.of(beat.phase)
+    return config.compile_idle_s if _compile_idle(beat, now, config) else timeouts.of(beat.phase)
+
+
+def _idle_note(beat: Beat, now: float, config: HangConfig) -> str:
+    if not _compile_idle(beat, now, config) or beat.cpu_busy_at is None:
+        return ""
+    return f", its processes using no CPU for {now - beat.cpu_busy_at:.0f} s"
 
 
 def _suspects(beats: Sequence[Beat], stuck: Sequence[Beat], silent: Sequence[Beat]) -> list[int]:
@@ -235,5 +270,6 @@ def _describe(beat: Beat, now: float) -> dict[str, object]:
         "step": beat.step,
         "phase": beat.phase,
         "in_phase_s": round(now - beat.phase_since, 1),
+        **({"cpu_idle_s": round(now - beat.cpu_busy_at, 1)} if beat.cpu_busy_at is not None else {}),
         "last_heard_s": round(now - beat.received_at, 1),
     }

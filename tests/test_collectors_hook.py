@@ -484,6 +484,19 @@ def test_a_declared_save_is_its_own_phase_in_the_heartbeats_and_not_in_the_windo
     assert len(transport.records("step")) == 2 and rh.counters["hook_errors"] == 0
 
 
+@contextlib.contextmanager
+def compiled_and_attached(
+    tmp_path: Path, transport: RecordingTransport, backend: Any, heartbeat_s: float
+) -> Iterator[tuple[RunHealth, Any]]:
+    """A ``TinyLM`` compiled with ``backend``, and a hook watching it that beats every
+    ``heartbeat_s``."""
+    model = TinyLM()
+    compiled = torch.compile(model, backend=backend)
+    config = hook_config(tmp_path, heartbeat_interval_s=heartbeat_s)
+    with attach(tmp_path, transport, config=config, model=model) as rh:
+        yield rh, compiled
+
+
 def test_a_compiling_forward_is_its_own_phase_in_the_heartbeats_and_forward_again_after(
     tmp_path: Path, transport: RecordingTransport
 ) -> None:
@@ -503,10 +516,7 @@ def test_a_compiling_forward_is_its_own_phase_in_the_heartbeats_and_forward_agai
         threading.Event().wait(0.4)
         return graph.forward
 
-    model = TinyLM()
-    compiled = torch.compile(model, backend=slow_backend)
-    config = hook_config(tmp_path, heartbeat_interval_s=0.05)
-    with attach(tmp_path, transport, config=config, model=model) as rh:
+    with compiled_and_attached(tmp_path, transport, slow_backend, heartbeat_s=0.05) as (rh, compiled):
         for batch in rh.windows(batches(2)):
             loss = lm_loss(compiled, batch["tokens"])
             states.append(rh._windows.phases.state)

@@ -140,3 +140,41 @@ def test_a_five_minute_compile_is_no_hang_but_a_forward_that_long_is() -> None:
     forward = [beat(0, "forward", since=-200.0), beat(1, "compiling", since=-200.0)]
     finding = hang_finding(forward, 2, 100.0, timeouts, "i", HangConfig())
     assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0]
+
+
+def compiling(rank: int, busy_at: float | None, since: float = -200.0) -> Beat:
+    return Beat(rank, f"n{rank}", 7, "compiling", since, 99.5, cpu_busy_at=busy_at)
+
+
+def test_a_compile_whose_processes_use_no_cpu_for_two_minutes_is_stuck() -> None:
+    """300 s compiling (under the 30-minute floor). Busy 119 s ago: still compiling; 121 s ago:
+    a compile that itself hangs, named with how long its processes have been idle."""
+    timeouts = learned_timeouts([0.04] * 100, HangConfig())
+    working = [compiling(0, busy_at=-19.0), compiling(1, busy_at=-19.0)]
+    assert hang_finding(working, 2, 100.0, timeouts, "i", HangConfig()) is None
+    idle = [compiling(0, busy_at=-21.0), compiling(1, busy_at=-21.0)]
+    finding = hang_finding(idle, 2, 100.0, timeouts, "i", HangConfig())
+    assert finding is not None and [s["rank"] for s in finding.evidence["stuck"]] == [0, 1]
+    assert finding.threshold == 120.0 and "timeout 120 s" in finding.message
+    assert "rank 0 in compiling for 300 s, its processes using no CPU for 121 s" in finding.message
+    assert finding.evidence["stuck"][0]["cpu_idle_s"] == 121.0
+
+
+def test_an_idle_compile_waiting_on_a_busy_peers_compile_is_not_stuck() -> None:
+    """Rank 1 waits for rank 0's compile (a shared cache's lock, a compiler collective): no CPU
+    of its own, but the run's compiler is at work. Once rank 0 is idle too, both are named."""
+    timeouts = learned_timeouts([0.04] * 100, HangConfig())
+    waiting = [compiling(0, busy_at=95.0), compiling(1, busy_at=-150.0)]
+    assert stuck_beats(waiting, 100.0, timeouts, HangConfig()) == []
+    both = [compiling(0, busy_at=-50.0), compiling(1, busy_at=-150.0)]
+    assert [b.rank for b in stuck_beats(both, 100.0, timeouts, HangConfig())] == [0, 1]
+
+
+def test_a_compile_heartbeat_without_cpu_use_keeps_the_thirty_minutes() -> None:
+    """A hook that cannot read CPU use (not Linux, an older hook) sends no ``cpu_busy_at``."""
+    timeouts = learned_timeouts([0.04] * 100, HangConfig())
+    silent = [compiling(0, busy_at=None), compiling(1, busy_at=None)]
+    assert hang_finding(silent, 2, 100.0, timeouts, "i", HangConfig()) is None
+    long = [compiling(0, busy_at=None, since=-1701.0), compiling(1, busy_at=None, since=-1701.0)]
+    finding = hang_finding(long, 2, 100.0, timeouts, "i", HangConfig())
+    assert finding is not None and finding.threshold == 1800.0

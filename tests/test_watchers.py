@@ -225,6 +225,28 @@ def test_a_hung_rank_opens_one_incident_asks_for_stacks_and_closes_when_it_moves
     assert incident["status"] == "resolved"
 
 
+def test_a_compile_whose_processes_use_no_cpu_is_named_long_before_the_save_timeout(
+    clocked: tuple[Service, Clock], store: Engine, run: RunHandle
+) -> None:
+    """Both ranks compiling for 300 s (a compilation's timeout is a save's, 30 minutes), their
+    processes idle for 150 s: the compile itself hangs. Once they use CPU again, it resolves."""
+    service, clock = clocked
+    clock.now = 10_000.0
+    idle = [{**beat(r, "compiling", 9_700.0, 9_999.0), "cpu_busy_at": 9_850.0} for r in range(2)]
+    post(service, run, [start(2), *idle])
+    assert service.hangs.check() != []
+    (incident,) = incidents(store, run)
+    assert incident["kind"] == "hang" and "rank 1 in compiling" in incident["summary"]
+    assert "rank 0 in compiling for 300 s, its processes using no CPU for 150 s" in incident["summary"]
+    clock.now += 5
+    post(
+        service, run, [{**beat(r, "compiling", 9_700.0, 10_004.0), "cpu_busy_at": 10_004.0} for r in range(2)]
+    )
+    service.hangs.check()
+    (incident,) = incidents(store, run)
+    assert incident["status"] == "resolved"
+
+
 def test_a_silent_rank_is_missing_but_a_finished_run_is_not_hung(
     clocked: tuple[Service, Clock], store: Engine, run: RunHandle
 ) -> None:

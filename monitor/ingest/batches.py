@@ -534,7 +534,7 @@ def _ingest_run_finishes(
     return stored
 
 
-HEARTBEAT_UPDATES = ("node", "step", "attempt", "phase", "phase_since", "time", "received_at")
+HEARTBEAT_UPDATES = ("node", "step", "attempt", "phase", "phase_since", "time", "received_at", "cpu_busy_at")
 
 
 def _ingest_heartbeats(

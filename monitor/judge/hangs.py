@@ -103,7 +103,7 @@ class HangWatch:
 
     def _check(self, connection: Connection, run_id: int, incarnation: str, now: float) -> list[int]:
         beats = [
-            Beat(r.rank, r.node, r.step, r.phase, r.phase_since, r.received_at, r.attempt)
+            Beat(r.rank, r.node, r.step, r.phase, r.phase_since, r.received_at, r.attempt, r.cpu_busy_at)
             for r in connection.execute(
                 sa.select(HEARTBEAT).where(
                     HEARTBEAT.c.run_id == run_id, HEARTBEAT.c.incarnation == incarnation

@@ -263,6 +263,8 @@ class Heartbeat(Base):
     phase_since: Mapped[float]
     time: Mapped[float]
     received_at: Mapped[float]
+    # While compiling: when the rank's processes last used CPU at a compiler's rate (its clock).
+    cpu_busy_at: Mapped[float | None]
 
 
 class DeviceSample(Base):

@@ -107,6 +107,8 @@ HEARTBEAT = Structure(
         Field("node", NAME),
         Field("step", COUNT),
         Field("attempt", COUNT),
+        # While compiling: when the rank's process tree last used CPU at a compiler's rate.
+        Field("cpu_busy_at", REAL),
     ),
     kind="heartbeat",
     key=("incarnation", "rank"),
