@@ -394,8 +394,13 @@ class WindowAccounting:
             return False
         try:
             held, window.held = window.held, None
-            if window.stepped or held is None or not still_accumulating(held):
-                self._close_held(window)
+            if (
+                window.stepped
+                or held is None
+                or not self._scaler_idle(window)
+                or not still_accumulating(held)
+            ):
+                self._close_held(window)  # a step, or a GradScaler's skip, after its end
                 return False
             self.window = window
             window.parts += 1
@@ -406,7 +411,10 @@ class WindowAccounting:
             return True
         except Exception:
             self.faults.record("window_start")
-            return self.window is window  # joined: the rest of the join is what failed
+            if self.window is window:
+                return True  # joined: the rest of the join is what failed
+            self._close_held(window)  # recorded as it stands rather than lost
+            return False
 
     def _close_held(self, window: WindowValues) -> None:
         self.window = window

@@ -227,6 +227,36 @@ def test_a_step_after_the_window_ended_is_the_held_windows_update(
     assert [(c["step"], c["consumed"]) for c in transport.records("checkpoint")] == [(1, 3), (2, 6)]
 
 
+def test_a_grad_scaler_skip_after_the_window_ended_is_still_a_skip(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    """``rh.window_end()`` before ``scaler.step``, gradients zeroed at the top of each
+    accumulation: the first update's gradients overflow, the scaler skips it and backs off
+    (``update()``), and the held window is recorded as that skip, not merged into the next."""
+    model = TinyLM()
+    optimizer = sgd(model)
+    scaler = torch.amp.GradScaler("cpu")
+    generator = torch.Generator().manual_seed(4)
+    with attach(tmp_path, transport, model=model, optimizer=optimizer, scaler=scaler) as rh:
+        for index in range(8):
+            rh.window_start()
+            if index % 4 == 0:
+                optimizer.zero_grad()
+            loss = lm_loss(model, torch.randint(0, VOCAB, (2, 8), generator=generator))
+            rh.loss(loss, tokens=TOKENS)
+            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            rh.window_end()
+            if index % 4 == 3:
+                if index == 3:
+                    for parameter in model.parameters():
+                        assert parameter.grad is not None
+                        parameter.grad.fill_(math.inf)
+                scaler.step(optimizer)
+                scaler.update()
+    steps = transport.records("step")
+    assert [(s["step"], s["skipped"], s["microbatches"]) for s in steps] == [(0, True, 4), (1, False, 4)]
+
+
 def test_a_held_window_is_recorded_at_close_as_the_update_it_did_not_reach(
     tmp_path: Path, transport: RecordingTransport
 ) -> None:
