@@ -14,9 +14,12 @@ descendant's); elsewhere nothing is read and the heartbeats say nothing, leaving
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("runhealth.collectors")
 
 # A quarter of a core over a heartbeat interval: a compiler uses a whole one; an idle trainer's
 # own threads (the sender, the device readers) use a percent or two.
@@ -27,8 +30,11 @@ PROC = Path("/proc")
 def process_tree_cpu_s(pid: int | None = None, proc: Path = PROC) -> float | None:
     """CPU seconds used by process ``pid`` (this one by default), its reaped children and every
     live descendant; None where ``/proc`` cannot say."""
+    sysconf = getattr(os, "sysconf", None)
+    if sysconf is None:  # Windows: no /proc either
+        return None
     root = os.getpid() if pid is None else pid
-    ticks = float(os.sysconf("SC_CLK_TCK"))
+    ticks = float(sysconf("SC_CLK_TCK"))
     total, pending, seen = 0.0, [root], set()
     while pending:
         current = pending.pop()
@@ -48,12 +54,12 @@ def process_tree_cpu_s(pid: int | None = None, proc: Path = PROC) -> float | Non
 def _own_and_reaped_ticks(stat: Path) -> float | None:
     try:
         text = stat.read_text()
-    except OSError:
+        # Fields after the command name (which may hold spaces and parentheses): utime is the
+        # 14th field of the line, stime, cutime, cstime the next three.
+        fields = text[text.rindex(")") + 2 :].split()
+        return float(sum(int(value) for value in fields[11:15]))
+    except (OSError, ValueError):  # gone, or a kernel whose line reads otherwise
         return None
-    # Fields after the command name (which may hold spaces and parentheses): utime is the 14th
-    # field of the line, stime, cutime, cstime the next three.
-    fields = text[text.rindex(")") + 2 :].split()
-    return float(sum(int(value) for value in fields[11:15]))
 
 
 def _children(proc: Path, pid: int) -> list[int]:
@@ -69,6 +75,10 @@ def _children(proc: Path, pid: int) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def _unreadable() -> None:
+    return None
 
 
 class CompileActivity:
@@ -87,7 +97,12 @@ class CompileActivity:
         if not compiling:
             self._compile = self._last = None
             return None
-        cpu = self._read_cpu_s()
+        try:
+            cpu = self._read_cpu_s()
+        except Exception:  # the heartbeat must go out whatever /proc does
+            log.exception("runhealth hook: reading the process tree's CPU use failed")
+            self._read_cpu_s = _unreadable
+            return None
         if cpu is None:
             return None
         if self._compile != phase_since or self._last is None:

@@ -58,6 +58,8 @@ def test_stat_lines_are_read_past_a_command_name_with_spaces_and_parentheses(tmp
     process(200, "worker", (ticks, 0, 0, 0), children="300")  # 300 has no entry: it exited
     assert process_tree_cpu_s(100, proc=tmp_path) == pytest.approx(7.0)
     assert process_tree_cpu_s(999, proc=tmp_path) is None
+    (tmp_path / "100" / "stat").write_text("100 (truncated")  # not a stat line: cannot say
+    assert process_tree_cpu_s(100, proc=tmp_path) is None
 
 
 class CpuReadings:
@@ -81,6 +83,20 @@ def test_a_compile_is_busy_while_its_processes_use_a_quarter_of_a_core() -> None
     assert activity.busy_at(True, 40.0, 41.0) == 40.0  # the next compilation starts afresh
     cpu.value = None
     assert activity.busy_at(True, 40.0, 46.0) is None  # this platform cannot say
+
+
+def test_a_failing_cpu_reading_leaves_the_heartbeat_without_it_from_then_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = []
+
+    def broken() -> float:
+        calls.append(1)
+        raise PermissionError("/proc/1/stat")
+
+    activity = CompileActivity(broken)
+    assert activity.busy_at(True, 10.0, 12.0) is None and activity.busy_at(True, 10.0, 17.0) is None
+    assert len(calls) == 1 and "reading the process tree's CPU use failed" in caplog.text
 
 
 @pytest.mark.skipif(not LINUX, reason="/proc is Linux's")
