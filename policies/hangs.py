@@ -47,8 +47,8 @@ class HangConfig:
       (``cpu_busy_at``, ``collectors/cpu_use.py``) is stuck, unless another rank of the run
       compiling was busy within that time (ranks that share a compile cache wait on each
       other's locks; compiler collectives wait for the slowest rank). 120 s: 24 heartbeat
-      intervals, room for a remote-cache fetch or a short wait on a peer, and well under the
-      15 minutes at which nothing else would have named it before the 30-minute floor.
+      intervals, room for a remote-cache fetch or a short wait on a peer; a compile that keeps
+      a core busy still has the 30 minutes.
     - until the run has 5 windows, the floors only (``min_timeout_s`` for every phase).
     - a rank is missing when its newest heartbeat is older than ``silence_intervals`` x the
       heartbeat interval (3: one lost or late heartbeat is not silence), and never before
