@@ -370,7 +370,9 @@ class WindowAccounting:
     def _holds(self, window: WindowValues) -> bool:
         """Whether a window closing without an update is held for the next one to join
         (``accumulation.py`` says when); host facts only."""
-        if self._flushing or window.stepped or window.verdicts or window.grad_norm is not None:
+        # ``stepped`` covers a fused optimizer's found-inf verdicts too: its post-hook, which
+        # records them, runs only after the pre-hook that sets it.
+        if self._flushing or window.stepped or window.grad_norm is not None:
             return False
         if window.parts >= MAX_PARTS or not self._scaler_idle(window):
             return False
