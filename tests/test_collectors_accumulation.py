@@ -5,6 +5,7 @@ skipped update (a GradScaler's, or the trainer's own) is still recorded as one."
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -362,8 +363,7 @@ def test_data_parallel_wrappers_on_a_one_rank_gloo_group(
 ) -> None:
     """The gradient a wrapper leaves after each backward (no ``no_sync``): DDP accumulates into
     the same tensor, and so does FSDP2 into its sharded DTensor gradient, so their windows
-    merge. (One rank here; the same identity held on two gloo ranks in a probe, where DDP with
-    ``gradient_as_bucket_view=True`` instead handed out a new view at each backward.)"""
+    merge. (One rank here; two ranks with gradient bucket views below.)"""
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
@@ -376,3 +376,65 @@ def test_data_parallel_wrappers_on_a_one_rank_gloo_group(
     finally:
         torch.distributed.destroy_process_group()
     assert [(s["skipped"], s["microbatches"]) for s in transport.records("step")] == [(False, 3)] * 2
+
+
+BUCKET_RANKS = 2
+
+
+def bucket_view_rank(rank: int, port: int, root: str) -> None:
+    """One rank of ``test_ddp_gradient_bucket_views_on_two_gloo_ranks``: the hurried loop under
+    DDP with ``gradient_as_bucket_view=True`` and one-parameter buckets, once with ``no_sync``
+    on the microbatches that do not update and once syncing every backward; each loop's
+    ``(skipped, microbatches)`` per window written to ``root/rank-R-MODE.json``."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=BUCKET_RANKS
+    )
+    try:
+        for mode in ("no_sync", "sync"):
+            torch.manual_seed(0)
+            model = TinyLM()
+            module = torch.nn.parallel.DistributedDataParallel(
+                model, gradient_as_bucket_view=True, bucket_cap_mb=0.001
+            )
+            optimizer = sgd(model)
+            transport = RecordingTransport()
+            generator = torch.Generator().manual_seed(rank)
+            folder = Path(root) / f"rank-{rank}-{mode}"
+            folder.mkdir()
+            with attach(folder, transport, model=module, optimizer=optimizer) as rh:
+                for index in range(8):
+                    boundary = index % 4 == 3
+                    quiet = (
+                        module.no_sync() if mode == "no_sync" and not boundary else contextlib.nullcontext()
+                    )
+                    rh.window_start(sample_ids=[index])
+                    with quiet:
+                        loss = lm_loss(module, torch.randint(0, VOCAB, (2, 8), generator=generator))  # type: ignore[arg-type]
+                        rh.loss(loss, tokens=TOKENS)
+                        loss.backward()  # type: ignore[no-untyped-call]
+                    if boundary:
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    rh.window_end()
+            windows = [(s["skipped"], s["microbatches"]) for s in transport.records("step")]
+            (Path(root) / f"rank-{rank}-{mode}.json").write_text(json.dumps(windows))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_gradient_bucket_views_on_two_gloo_ranks(tmp_path: Path) -> None:
+    """DDP with ``gradient_as_bucket_view=True`` on two real ranks: the gradient becomes a view
+    into DDP's bucket, and DDP replaces those views when it rebuilds its buckets, which it does
+    in the second forward. The hook compares the gradient when the next window starts, before
+    that forward, so every accumulating window still merges: one window per update, with and
+    without ``no_sync`` on the accumulating microbatches. (An earlier probe compared after the
+    second backward instead and took the rebuild for a gradient that is not kept.)"""
+    torch.multiprocessing.spawn(
+        bucket_view_rank, args=(free_port(), str(tmp_path)), nprocs=BUCKET_RANKS, join=True
+    )
+    for rank in range(BUCKET_RANKS):
+        for mode in ("no_sync", "sync"):
+            windows = json.loads((tmp_path / f"rank-{rank}-{mode}.json").read_text())
+            assert windows == [[False, 4], [False, 4]], (rank, mode, windows)
