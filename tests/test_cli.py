@@ -1,5 +1,6 @@
 """The command line: listings with --json, filters, export, and one-line user errors."""
 
+import ast
 import io
 import json
 import math
@@ -12,9 +13,12 @@ from typing import Any
 
 import polars as pl
 import pytest
+import typer
+import typer.main
 
 from monitor.api.server import prepare_store
 from monitor.cli.incidents import collapse_evidence
+from monitor.cli.root import COMMAND_GROUPS, build_app, groups_for
 from monitor.config import ServiceConfig
 from monitor.ingest.schemas import BatchIn
 from monitor.service import Service
@@ -75,11 +79,39 @@ def test_a_command_starts_without_the_backtest_readers(tmp_path: Path) -> None:
     """polars and the series readers load when a backtest runs: every other command (an approve
     at 3 AM, a ``serve``, an embedded service on a trainer's node) started 0.35 s of CPU later
     with them, 1.57 against 1.22 s for ``import monitor.cli`` here."""
-    probe = "import sys, monitor.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'polars' or m == 'monitor.judge.backtest'))"
+    probe = "import sys, monitor.cli; monitor.cli.build_app(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'polars' or m == 'monitor.judge.backtest'))"
     done = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+def test_the_root_dispatches_each_command_to_the_module_that_registers_it() -> None:
+    """``COMMAND_GROUPS`` names what each module registers (``--help`` lists top-level
+    commands, then groups, each in its order): a command line builds the app from its command's
+    module alone, and a name no module registers gets click's answer from the whole app."""
+    for group, names in COMMAND_GROUPS.items():
+        assert tuple(typer.main.get_command(build_app((group,))).commands) == names, group  # type: ignore[attr-defined]
+    every = tuple(typer.main.get_command(build_app()).commands)  # type: ignore[attr-defined]
+    assert sorted(every) == sorted(name for names in COMMAND_GROUPS.values() for name in names)
+    assert groups_for(["approve", "7", "--reason", "x"]) == ("proposals",)
+    assert groups_for(["--help"]) == groups_for(["no-such-command"]) == groups_for([]) == tuple(COMMAND_GROUPS)
+
+
+def test_a_command_imports_its_own_module_only(tmp_path: Path) -> None:
+    """Importing every group for any command (the backtest readers, the settings schema, the
+    judge's configs) cost each command about 0.3 s of CPU here."""
+    probe = (
+        "import sys\nfrom monitor.cli import main\ntry:\n    main(['incidents', '--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('monitor.cli.')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+    assert loaded & set(COMMAND_GROUPS) == {"incidents"}, loaded
 
 
 def test_incidents_json_and_filters(store: Path, capsys: pytest.CaptureFixture[str]) -> None:

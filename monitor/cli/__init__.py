@@ -2,6 +2,6 @@
 
 Listing commands take ``--json`` and print one document; a user error is one line on stderr."""
 
-from monitor.cli.root import app, main
+from monitor.cli.root import build_app, main
 
-__all__ = ["app", "main"]
+__all__ = ["build_app", "main"]
