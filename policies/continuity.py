@@ -310,7 +310,8 @@ def _lost_weights(
     later = "" if point.step == restart.step else f" at step {point.step}"
     # Past the untrained level (its first windows had already learned a little): say so plainly.
     where = (
-        f"above the run's first logged level {untrained:.4g} (it had reached {level_before:.4g})"
+        f"above the run's first logged level {untrained:.4g} (its trailing median before the "
+        f"restart: {level_before:.4g})"
         if back > 1
         else f"{back:.0%} of the way back from {level_before:.4g} to the untrained {untrained:.4g}"
     )

@@ -56,7 +56,7 @@ def test_the_broken_resume_says_how_far_back_the_loss_went_or_that_it_went_past_
 
     assert "80% of the way back from 3 to the untrained 10: the weights" in message(8.6)
     # A fresh model can start above the run's first logged windows (they had learned a little).
-    assert "loss is 12.5, above the run's first logged level 10 (it had reached 3): the weights" in message(
+    assert "loss is 12.5, above the run's first logged level 10 (its trailing median before the restart: 3): the weights" in message(
         12.5
     )
 
